@@ -1,0 +1,452 @@
+"""The ``batchrun`` command line: parse, call one library function, render.
+
+Every command that touches a ledger takes ``--db`` (or ``BATCHRUN_DB``); a
+plain path is a SQLite file. Exit codes are those of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import orjson
+
+from batchrun import jobs
+from batchrun.errors import BatchrunError, UsageError
+from batchrun.export import FORMATS, check_target, export_job
+from batchrun.ledger import ItemState, Ledger, default_db_path
+from batchrun.report import job_status
+from batchrun.scheduler import JobRunner, RunOptions
+from batchrun.spec import Overrides, load_spec, spec_for_batch_input
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fail(exc: BatchrunError) -> None:
+    click.echo(f"batchrun: error: {exc.message}", err=True)
+    sys.exit(exc.exit_code)
+
+
+def handle_errors(fn: F) -> F:
+    """Our own errors become a one-line message and their exit code; never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BatchrunError as exc:
+            _fail(exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+db_option = click.option(
+    "--db",
+    envvar="BATCHRUN_DB",
+    default=None,
+    metavar="URL",
+    help=f"Ledger: a SQLite file path or a SQLAlchemy URL (postgresql+psycopg://...). "
+    f"Default: $BATCHRUN_DB, else {default_db_path()}.",
+)
+
+
+def override_options(fn: F) -> F:
+    """The run-time overrides of the spec shared by submit and resume."""
+    for option in reversed(
+        [
+            click.option("--base-url", default=None, help="Override [provider] base_url."),
+            click.option("--model", default=None, help="Override [provider] model."),
+            click.option("--concurrency", type=click.IntRange(min=1), default=None, help="Max requests in flight."),
+            click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Max attempts per item."),
+            click.option("--timeout", type=click.FloatRange(min=0.001), default=None, help="Total seconds per attempt."),
+            click.option("--transport", type=click.Choice(["aiohttp", "httpx"]), default="aiohttp", hidden=True),
+            click.option("--quiet", "-q", is_flag=True, help="No progress display."),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _overrides(kw: dict[str, Any]) -> Overrides:
+    return Overrides(
+        base_url=kw.get("base_url"),
+        model=kw.get("model"),
+        concurrency=kw.get("concurrency"),
+        max_attempts=kw.get("max_attempts"),
+        timeout=kw.get("timeout"),
+    )
+
+
+def _open(db: str | None) -> Ledger:
+    return Ledger.open(db)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+@click.version_option(package_name="batchrun")
+def main(verbose: int) -> None:
+    """Resumable batch jobs over LLM APIs, with a ledger that never pays twice.
+
+    \b
+    Quick start (local fake endpoint, nothing leaves this machine):
+      batchrun demo
+    A real job:
+      batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --output results.jsonl
+      batchrun status
+      batchrun resume 1            # after a crash, kill -9 or Ctrl-C
+
+    Exit codes: 0 all succeeded, 1 some failed/invalid/rejected, 2 usage/spec/input
+    error (nothing sent), 3 authentication refused, 4 budget reached, 75 stopped
+    early with work left (resume later).
+    """
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="batchrun: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _work(
+    ledger: Ledger,
+    job_id: int,
+    *,
+    overrides: Overrides,
+    command: str,
+    transport: str,
+    quiet: bool,
+) -> jobs.RunSummary:
+    """Run a job with signal handling and the progress display; the only asyncio.run."""
+    from batchrun.progress import show_progress
+
+    counts = ledger.counts(job_id)
+    todo = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
+
+    async def go() -> jobs.RunSummary:
+        progress: asyncio.Task[None] | None = None
+
+        def started(runner: JobRunner) -> None:
+            nonlocal progress
+            if not quiet:
+                progress = asyncio.create_task(show_progress(runner, todo))
+
+        try:
+            return await jobs.run_job(
+                ledger,
+                job_id,
+                overrides=overrides,
+                options=RunOptions(command=command, transport=transport),
+                handle_signals=True,
+                on_start=started,
+            )
+        finally:
+            if progress is not None:
+                progress.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await progress
+
+    return asyncio.run(go())
+
+
+def _finish(
+    ledger: Ledger,
+    summary: jobs.RunSummary,
+    *,
+    output: str | None,
+    fmt: str,
+    errors: str | None,
+    force: bool,
+    as_json: bool,
+) -> None:
+    exported = None
+    if output and summary.exit_code in (jobs.EXIT_OK, jobs.EXIT_SOME_FAILED):
+        exported = export_job(ledger, summary.job_id, output, fmt=fmt, errors=errors, force=force)
+    counts = summary.counts
+    if as_json:
+        click.echo(
+            orjson.dumps(
+                {
+                    "job_id": summary.job_id,
+                    "total": sum(counts.values()),
+                    "counts": counts,
+                    "exit_code": summary.exit_code,
+                    "stop_reason": summary.result.stop_reason,
+                    "output": str(exported.path) if exported else None,
+                    "errors_file": str(exported.errors_path) if exported and exported.errors_path else None,
+                }
+            ).decode()
+        )
+    else:
+        click.echo(" ".join(f"{state}={n}" for state, n in counts.items() if n) or "no items")
+        if exported:
+            click.echo(f"output: {exported.path} ({exported.lines} lines)")
+            if exported.errors_path:
+                click.echo(f"errors: {exported.errors_path} ({exported.error_lines} lines)")
+    if summary.result.stop_message:
+        click.echo(f"batchrun: {summary.result.stop_message}", err=True)
+    if summary.exit_code == jobs.EXIT_TEMPFAIL:
+        click.echo(f"batchrun: job {summary.job_id} has work left; carry on with: batchrun resume {summary.job_id}", err=True)
+    sys.exit(summary.exit_code)
+
+
+@main.command()
+@click.argument("spec", required=False, type=click.Path(dir_okay=False))
+@click.option("--input", "input_path", required=True, type=click.Path(dir_okay=False), help="JSONL input file.")
+@click.option("--output", default=None, type=click.Path(dir_okay=False), help="Export here when the job finishes.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="results", show_default=True)
+@click.option("--errors", default=None, type=click.Path(dir_okay=False), help="Also write failed/invalid/rejected items here.")
+@click.option("--force", is_flag=True, help="Replace an output file that is not this job's own export.")
+@click.option("--new", is_flag=True, help="Always create a new job, even if this spec and input were submitted before.")
+@click.option("--strict", is_flag=True, help="Refuse the whole input if any line is bad (nothing is sent).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (job_id, total, counts, ...) at the end.")
+@db_option
+@override_options
+@handle_errors
+def submit(spec: str | None, input_path: str, output: str | None, fmt: str, errors: str | None, force: bool,
+           new: bool, strict: bool, as_json: bool, db: str | None, quiet: bool, transport: str, **kw: Any) -> None:
+    """Submit INPUT under job SPEC and work it to the end.
+
+    The same SPEC and input content find the existing job and carry it on
+    (nothing finished is sent again); --new forces a new job. Without a SPEC,
+    the input must be OpenAI Batch API lines and --base-url is required.
+
+    \b
+    Examples:
+      batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --output out.jsonl
+      batchrun submit --input batch.jsonl --base-url http://127.0.0.1:8000/v1 --model gpt-4o-mini
+    """
+    overrides = _overrides(kw)
+    job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
+    with _open(db) as ledger:
+        prepared = jobs.prepare_job(ledger, job_spec, input_path, new=new, strict=strict)
+        if output:
+            check_target(ledger, prepared.job_id, Path(output).absolute(), force=force)
+        if not as_json:
+            click.echo(str(prepared.job_id))
+            if prepared.ingest and prepared.ingest.rejected:
+                click.echo(f"batchrun: {prepared.ingest.rejected} bad input lines were rejected, e.g.:", err=True)
+                for line, reason in prepared.ingest.rejections[:3]:
+                    click.echo(f"  {input_path}:{line}: {reason}", err=True)
+            if not prepared.created:
+                click.echo(f"batchrun: carrying on job {prepared.job_id} (same spec and input)", err=True)
+        summary = _work(ledger, prepared.job_id, overrides=overrides, command="submit", transport=transport, quiet=quiet or as_json)
+        _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
+
+
+@main.command()
+@click.argument("job", type=int)
+@click.option("--output", default=None, type=click.Path(dir_okay=False), help="Export here when the job finishes.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="results", show_default=True)
+@click.option("--errors", default=None, type=click.Path(dir_okay=False), help="Also write failed/invalid/rejected items here.")
+@click.option("--force", is_flag=True, help="Replace an output file that is not this job's own export.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
+@db_option
+@override_options
+@handle_errors
+def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bool, as_json: bool,
+           db: str | None, quiet: bool, transport: str, **kw: Any) -> None:
+    """Carry on JOB: pending items and those a dead run left running. Finished items are never sent again.
+
+    \b
+    Example:
+      batchrun resume 3 --output results.jsonl
+    """
+    overrides = _overrides(kw)
+    with _open(db) as ledger:
+        ledger.get_job(job)
+        if output:
+            check_target(ledger, job, Path(output).absolute(), force=force)
+        summary = _work(ledger, job, overrides=overrides, command="resume", transport=transport, quiet=quiet or as_json)
+        _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
+
+
+def _latest_job(ledger: Ledger) -> int:
+    listed = ledger.list_jobs()
+    if not listed:
+        raise UsageError(f"no jobs in ledger {ledger.url}")
+    return listed[-1][0].id
+
+
+@main.command()
+@click.argument("job", type=int, required=False)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: job_id, total, counts, latency, tokens, errors.")
+@db_option
+@handle_errors
+def status(job: int | None, as_json: bool, db: str | None) -> None:
+    """Counts by state, latency percentiles, tokens and errors of JOB (default: the newest job).
+
+    \b
+    Example:
+      batchrun status 3 --json
+    """
+    with _open(db) as ledger:
+        job_id = job if job is not None else _latest_job(ledger)
+        data = job_status(ledger, job_id)
+    if as_json:
+        click.echo(orjson.dumps(data).decode())
+        return
+    counts = data["counts"]
+    lat = data["latency_ms"]
+    click.echo(f"job {data['job_id']}{' (' + data['name'] + ')' if data['name'] else ''}: {data['input']}")
+    click.echo(f"  model     {data['model']} at {data['base_url']}")
+    click.echo(f"  items     {data['total']} total, {data['finished']} finished" + (" (done)" if data["done"] else ""))
+    click.echo("  states    " + "  ".join(f"{k} {v}" for k, v in counts.items()))
+    click.echo(f"  requests  {data['requests']}")
+    click.echo(f"  tokens    {data['tokens']['input']} in, {data['tokens']['output']} out")
+    if lat["p50"] is not None:
+        click.echo(f"  latency   p50 {lat['p50']:.0f} ms  p90 {lat['p90']:.0f} ms  p99 {lat['p99']:.0f} ms")
+    if data["throughput_per_s"]:
+        click.echo(f"  rate      {data['throughput_per_s']:.1f} items/s")
+    if data["errors"]:
+        click.echo("  errors    " + "  ".join(f"{k} {v}" for k, v in data["errors"].items()))
+    if data["attempt_errors"]:
+        click.echo("  retried   " + "  ".join(f"{k} {v}" for k, v in data["attempt_errors"].items()))
+
+
+@main.command(name="list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array of jobs.")
+@db_option
+@handle_errors
+def list_jobs(as_json: bool, db: str | None) -> None:
+    """The jobs in the ledger with their counts."""
+    with _open(db) as ledger:
+        listed = ledger.list_jobs()
+    rows = [
+        {"job_id": j.id, "name": j.name, "input": j.input_path, "total": sum(c.values()), "counts": c}
+        for j, c in listed
+    ]
+    if as_json:
+        click.echo(orjson.dumps(rows).decode())
+        return
+    if not rows:
+        click.echo("no jobs")
+    for r in rows:
+        c = r["counts"]
+        click.echo(
+            f"{r['job_id']:>5}  {r['total']:>8} items  succeeded {c['succeeded']}  pending {c['pending'] + c['running']}"
+            f"  failed {c['failed'] + c['invalid_output']}  rejected {c['rejected']}  {r['name'] or r['input']}"
+        )
+
+
+@main.command(name="export")
+@click.argument("job", type=int)
+@click.option("--output", required=True, type=click.Path(dir_okay=False), help="File to write (atomically).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="results", show_default=True)
+@click.option("--errors", default=None, type=click.Path(dir_okay=False), help="Also write failed/invalid/rejected items here.")
+@click.option("--force", is_flag=True, help="Replace a file that is not this job's own earlier export.")
+@db_option
+@handle_errors
+def export_cmd(job: int, output: str, fmt: str, errors: str | None, force: bool, db: str | None) -> None:
+    """Write JOB's results: one line per input record, keyed by custom_id.
+
+    \b
+    Example:
+      batchrun export 3 --output results.jsonl --errors errors.jsonl
+      batchrun export 3 --output batch_output.jsonl --format openai-batch
+    """
+    with _open(db) as ledger:
+        result = export_job(ledger, job, output, fmt=fmt, errors=errors, force=force)
+    click.echo(f"output: {result.path} ({result.lines} lines)")
+    if result.errors_path:
+        click.echo(f"errors: {result.errors_path} ({result.error_lines} lines)")
+
+
+WHERE_COLUMNS = ("error_class", "status_code", "custom_id")
+
+
+def _parse_where(expr: str | None) -> dict[str, str]:
+    where: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in (expr or "").split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in WHERE_COLUMNS:
+            raise UsageError(f"--where {expr!r}: expected KEY=VALUE[,KEY=VALUE] with KEY one of {', '.join(WHERE_COLUMNS)}")
+        where[key] = value.strip()
+    return where
+
+
+@main.command()
+@click.argument("job", type=int)
+@click.option("--state", "states", default="failed,invalid_output", show_default=True,
+              help="Which finished states to send again (comma-separated).")
+@click.option("--where", "where", default=None, help="Only items matching KEY=VALUE, e.g. error_class=server_error.")
+@db_option
+@handle_errors
+def retry(job: int, states: str, where: str | None, db: str | None) -> None:
+    """Put JOB's failed (and invalid) items back to pending, with a fresh attempt budget.
+
+    Costs money: those requests are sent again on the next resume.
+
+    \b
+    Example:
+      batchrun retry 3 --where error_class=server_error && batchrun resume 3
+    """
+    chosen = [s.strip() for s in states.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in ItemState.RETRYABLE]
+    if bad:
+        raise UsageError(f"--state {bad[0]!r}: only {', '.join(ItemState.RETRYABLE)} can be retried")
+    with _open(db) as ledger:
+        ledger.get_job(job)
+        n = ledger.retry(job, chosen, _parse_where(where))
+    click.echo(f"{n} items of job {job} back to pending; run: batchrun resume {job}")
+
+
+@main.command()
+@click.argument("job", type=int)
+@db_option
+@handle_errors
+def cancel(job: int, db: str | None) -> None:
+    """Cancel JOB's pending and running items (finished ones are kept)."""
+    with _open(db) as ledger:
+        ledger.get_job(job)
+        n = ledger.cancel(job)
+    click.echo(f"{n} items of job {job} cancelled")
+
+
+@main.command()
+@db_option
+@handle_errors
+def demo(db: str | None) -> None:
+    """Run the bundled example job against a local fake endpoint (nothing leaves this machine).
+
+    Starts an OpenAI-compatible server on 127.0.0.1 with some latency and
+    injected faults (500s, 429s, connection resets), runs jobs/summarize.toml
+    over its example input with the default SQLite ledger (or --db), shows
+    progress and prints where the output is.
+    """
+    from batchrun.demo import demo_server, prepare_demo
+
+    with _open(db) as ledger, demo_server() as server:
+        job_id, output = prepare_demo(ledger, server.base_url)
+        click.echo(str(job_id))
+        click.echo(f"batchrun: demo endpoint {server.base_url}, ledger {ledger.url}", err=True)
+        summary = _work(ledger, job_id, overrides=Overrides(), command="demo", transport="aiohttp", quiet=False)
+        db_hint = "" if db is None else f" --db {db}"
+        if summary.exit_code in (jobs.EXIT_OK, jobs.EXIT_SOME_FAILED):
+            exported = export_job(ledger, job_id, output)
+            click.echo(f"output: {exported.path} ({exported.lines} lines)")
+        click.echo(" ".join(f"{k}={v}" for k, v in summary.counts.items() if v))
+        click.echo(f"next: batchrun status {job_id}{db_hint}", err=True)
+    sys.exit(summary.exit_code)
+
+
+@main.group()
+def db() -> None:
+    """Ledger maintenance."""
+
+
+@db.command()
+@db_option
+@handle_errors
+def upgrade(db: str | None) -> None:
+    """Create or upgrade the ledger schema to the newest version."""
+    with _open(db) as ledger:
+        click.echo(f"ledger {ledger.url} is up to date")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,122 @@
+"""The batchrun exception tree.
+
+::
+
+    BatchrunError
+    ├── UsageError            exit 2: bad flags, spec or input; nothing was sent
+    │   ├── SpecError
+    │   ├── InputError
+    │   └── ExportError
+    ├── JobNotFoundError      exit 2
+    ├── JobLockedError        exit 75: another run holds the job
+    ├── LedgerError           the ledger cannot be opened or upgraded
+    └── ProviderError         one attempt went wrong
+        ├── RetryableError        timeouts, connection errors, 408/409/425/429/5xx/529, bad body
+        │   └── RateLimitedError  429 (and friends), may carry a retry-after delay
+        ├── PermanentError        other 4xx: retrying cannot help
+        └── AuthError             401/403: every request would fail, stop the run
+
+Each class docstring is its default message; ``error_class`` is the short name
+stored in the ledger and shown in reports.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class BatchrunError(Exception):
+    """Something went wrong in batchrun."""
+
+    exit_code: ClassVar[int] = 1
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class UsageError(BatchrunError):
+    """Invalid usage."""
+
+    exit_code = 2
+
+
+class SpecError(UsageError):
+    """The job spec is invalid."""
+
+
+class InputError(UsageError):
+    """The input file is invalid."""
+
+
+class ExportError(UsageError):
+    """The export cannot be written."""
+
+
+class JobNotFoundError(BatchrunError):
+    """No such job in this ledger."""
+
+    exit_code = 2
+
+
+class JobLockedError(BatchrunError):
+    """Another run is working on this job."""
+
+    exit_code = 75
+
+
+class LedgerError(BatchrunError):
+    """The ledger cannot be used."""
+
+    exit_code = 2
+
+
+class ProviderError(BatchrunError):
+    """The request failed."""
+
+    error_class: ClassVar[str] = "error"
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        status_code: int | None = None,
+        error_class: str | None = None,
+        body: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+        if error_class is not None:
+            self.error_class = error_class  # type: ignore[misc]
+
+
+class RetryableError(ProviderError):
+    """The request failed in a way that may succeed when retried."""
+
+    error_class = "retryable"
+
+
+class RateLimitedError(RetryableError):
+    """The provider asked us to slow down."""
+
+    error_class = "rate_limited"
+
+    def __init__(self, message: str | None = None, *, retry_after: float | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.retry_after = retry_after
+
+
+class PermanentError(ProviderError):
+    """The provider refused the request; retrying cannot help."""
+
+    error_class = "client_error"
+
+
+class AuthError(ProviderError):
+    """The provider refused our credentials; every request would fail."""
+
+    error_class = "auth"

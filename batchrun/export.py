@@ -1,0 +1,190 @@
+"""Export a job's items from the ledger to JSONL files, atomically.
+
+A file is written to a temporary name in the same folder, fsynced and renamed
+over the target, so a reader sees the old file or the new one, never half of
+one. An existing file is only replaced when its content is one of this job's
+own earlier exports (their hashes are in the ledger), or with ``force``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+from batchrun.errors import ExportError
+from batchrun.ledger import ItemRow, ItemState, Ledger
+
+FORMATS = ("results", "openai-batch")
+ERROR_STATES = (ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED)
+DUPLICATE = "duplicate_custom_id"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    lines: int
+    errors_path: Path | None
+    error_lines: int
+
+
+def _error(row: ItemRow) -> dict[str, Any] | None:
+    if row.error_class is None and row.state not in (ItemState.PENDING, ItemState.RUNNING, ItemState.CANCELLED):
+        return None
+    error: dict[str, Any] = {
+        "class": row.error_class or row.state,
+        "message": row.error_message or f"item is {row.state}",
+    }
+    if row.status_code is not None:
+        error["status_code"] = row.status_code
+    if row.state == ItemState.REJECTED:
+        error["line"] = row.line
+    return error
+
+
+def _usage(row: ItemRow) -> dict[str, int] | None:
+    if row.input_tokens is None and row.output_tokens is None:
+        return None
+    return {"input_tokens": row.input_tokens or 0, "output_tokens": row.output_tokens or 0}
+
+
+def results_line(row: ItemRow) -> dict[str, Any]:
+    """The ``results`` format: one object per item."""
+    return {
+        "custom_id": row.custom_id,
+        "status": row.state,
+        "output": row.output if row.state == ItemState.SUCCEEDED else None,
+        "usage": _usage(row),
+        "attempts": row.attempts,
+        "latency_ms": round(row.latency_ms, 3) if row.latency_ms is not None else None,
+        "error": None if row.state == ItemState.SUCCEEDED else _error(row),
+    }
+
+
+def openai_batch_line(job_id: int, row: ItemRow) -> dict[str, Any]:
+    """The OpenAI Batch API output line shape."""
+    response = None
+    error = None
+    body = orjson.loads(row.response) if row.response and row.response[:1] in ("{", "[") else None
+    if row.state == ItemState.SUCCEEDED or (row.status_code is not None and body is not None):
+        response = {"status_code": row.status_code, "request_id": row.request_id or "", "body": body}
+    else:
+        err = _error(row) or {"class": row.state, "message": f"item is {row.state}"}
+        error = {"code": err["class"], "message": err["message"]}
+    return {"id": f"batch_req_{job_id}_{row.line}", "custom_id": row.custom_id, "response": response, "error": error}
+
+
+def errors_line(row: ItemRow) -> dict[str, Any]:
+    """One line of the errors file: a failed, invalid or rejected item."""
+    return {
+        "custom_id": row.custom_id,
+        "line": row.line,
+        "status": row.state,
+        "error_class": row.error_class,
+        "error_message": row.error_message,
+        "status_code": row.status_code,
+        "attempts": row.attempts,
+        "raw": row.output if row.state == ItemState.INVALID_OUTPUT else row.response,
+    }
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_target(ledger: Ledger, job_id: int, path: Path, *, force: bool) -> None:
+    """Refuse a target that exists and is not this job's own earlier export (unless ``force``)."""
+    if path.is_dir():
+        raise ExportError(f"{path}: is a directory; give a file name for the output")
+    if not path.parent.is_dir():
+        raise ExportError(f"{path}: folder {path.parent} does not exist")
+    if force or not path.exists():
+        return
+    if not ledger.is_export_of(job_id, file_sha256(path)):
+        raise ExportError(
+            f"{path} already exists and is not an earlier export of job {job_id}; "
+            "choose another --output or pass --force to replace it"
+        )
+
+
+def write_atomic(path: Path, lines: Iterable[dict[str, Any]]) -> tuple[int, str]:
+    """Write JSON lines to ``path`` via a temporary file, fsync and rename; return (lines, sha256)."""
+    digest = hashlib.sha256()
+    count = 0
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
+            count = _write_lines(f, lines, digest.update)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return count, digest.hexdigest()
+
+
+def _write_lines(f: BinaryIO, lines: Iterable[dict[str, Any]], update: Callable[[bytes], None]) -> int:
+    count = 0
+    for line in lines:
+        data = orjson.dumps(line) + b"\n"
+        f.write(data)
+        update(data)
+        count += 1
+    return count
+
+
+def export_job(
+    ledger: Ledger,
+    job_id: int,
+    output: str | os.PathLike[str],
+    *,
+    fmt: str = "results",
+    errors: str | os.PathLike[str] | None = None,
+    force: bool = False,
+) -> ExportResult:
+    """Write the job's items to ``output`` (one line per input record) and, if asked, the errors file."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    ledger.get_job(job_id)
+    path = Path(output).absolute()
+    errors_path = Path(errors).absolute() if errors else None
+    if errors_path == path:
+        raise ExportError("--errors must name a different file than --output")
+    check_target(ledger, job_id, path, force=force)
+    if errors_path:
+        check_target(ledger, job_id, errors_path, force=force)
+
+    def main_lines() -> Iterable[dict[str, Any]]:
+        for row in ledger.iter_items(job_id):
+            if row.error_class == DUPLICATE:
+                continue  # its custom_id belongs to another line; it is listed in the errors file
+            yield results_line(row) if fmt == "results" else openai_batch_line(job_id, row)
+
+    lines, sha = write_atomic(path, main_lines())
+    ledger.record_export(job_id, str(path), fmt, sha, lines)
+    error_lines = 0
+    if errors_path:
+        error_lines, esha = write_atomic(
+            errors_path, (errors_line(r) for r in ledger.iter_items(job_id) if r.state in ERROR_STATES)
+        )
+        ledger.record_export(job_id, str(errors_path), "errors", esha, error_lines)
+    return ExportResult(path, lines, errors_path, error_lines)

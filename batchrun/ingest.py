@@ -1,0 +1,252 @@
+"""Stream a JSONL input into ledger items, one bounded batch at a time.
+
+Every line becomes exactly one item: a request ready to send, or a
+``rejected`` item that keeps its line number and the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+from batchrun.errors import InputError
+from batchrun.ledger import ItemState, Ledger
+from batchrun.providers import Provider
+from batchrun.spec import JobSpec, Template, TemplateFieldError
+
+INSERT_BATCH = 5000
+HASH_CHUNK = 1 << 20
+MAX_STRICT_ERRORS_SHOWN = 5
+
+
+@dataclass
+class IngestStats:
+    """What an ingest did."""
+
+    lines: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    rejections: list[tuple[int, str]] = field(default_factory=list)  # first few, for messages
+
+
+class _BadLine(Exception):
+    def __init__(self, error_class: str, reason: str) -> None:
+        super().__init__(reason)
+        self.error_class = error_class
+        self.reason = reason
+
+
+def hash_input(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of the input file's bytes: the input half of a job's identity."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(HASH_CHUNK):
+                digest.update(chunk)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such input file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, expected a JSONL file") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read input: {exc.strerror or exc}") from exc
+    return digest.hexdigest()
+
+
+def iter_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes without the line ending) — ``None`` for a line over ``max_bytes``.
+
+    An over-long line is skipped in chunks, never held whole in memory. CRLF and
+    a missing final newline are fine.
+    """
+    number = 0
+    while True:
+        raw = f.readline(max_bytes + 2)
+        if not raw:
+            return
+        number += 1
+        if not raw.endswith(b"\n") and len(raw) > max_bytes + 1:
+            while True:
+                rest = f.readline(HASH_CHUNK)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield number, None
+            continue
+        line = raw.rstrip(b"\n").rstrip(b"\r") if raw.endswith(b"\n") else raw
+        yield number, (None if len(line) > max_bytes else line)
+
+
+class RequestBuilder:
+    """Turns one parsed input record into (custom_id, url, body) for the job's provider."""
+
+    def __init__(self, spec: JobSpec, provider: Provider) -> None:
+        self.spec = spec
+        self.provider = provider
+        system, messages = spec.user_templates()
+        self.system: Template | None = system
+        self.messages = messages
+        self.templated = spec.has_template
+
+    def build(self, record: Mapping[str, Any], line: int) -> tuple[str, str | None, str]:
+        custom_id = _custom_id(record, line)
+        if self.templated:
+            try:
+                rendered = [{"role": "system", "content": self.system.render(record)}] if self.system else []
+                rendered += [{"role": role, "content": t.render(record)} for role, t in self.messages]
+            except TemplateFieldError as exc:
+                raise _BadLine("missing_field", f"template field {exc.args[0]!r} is missing from the record") from None
+            return custom_id, None, orjson.dumps(self.provider.render_body(rendered)).decode()
+        try:
+            url, body = self.provider.check_batch_line(record)
+        except ValueError as exc:
+            hint = "" if "body" in record else " (or give a SPEC with a [request] template for plain records)"
+            raise _BadLine("not_a_request", f"{exc}{hint}") from None
+        return custom_id, url, orjson.dumps(body).decode()
+
+
+def _custom_id(record: Mapping[str, Any], line: int) -> str:
+    for key in ("custom_id", "id"):
+        if key in record:
+            value = record[key]
+            if isinstance(value, bool) or not isinstance(value, (str, int)):
+                raise _BadLine("bad_custom_id", f"{key} must be a string or an integer, got {orjson.dumps(value).decode()[:60]}")
+            text = str(value)
+            if not text:
+                raise _BadLine("bad_custom_id", f"{key} is empty")
+            return text
+    return str(line)
+
+
+def _parse_line(raw: bytes | None, max_bytes: int) -> dict[str, Any]:
+    if raw is None:
+        raise _BadLine("too_large", f"line is longer than the limit of {max_bytes} bytes ([run] max_line_bytes)")
+    if not raw.strip():
+        raise _BadLine("blank", "blank line")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _BadLine("invalid_utf8", f"not valid UTF-8 at byte {exc.start}") from None
+    try:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _BadLine("invalid_json", f"not valid JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise _BadLine("not_an_object", f"expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def check_input(path: str | os.PathLike[str], builder: RequestBuilder) -> IngestStats:
+    """Read the whole input without writing anything: for ``--strict``, before a job exists."""
+    stats = IngestStats()
+    seen_ids: set[str] = set()
+    max_bytes = builder.spec.run.max_line_bytes
+    with _open_input(path) as f:
+        for line, raw in iter_lines(f, max_bytes):
+            stats.lines += 1
+            try:
+                custom_id, _, _ = builder.build(_parse_line(raw, max_bytes), line)
+                if custom_id in seen_ids:
+                    raise _BadLine("duplicate_custom_id", f"custom_id {custom_id!r} appears twice")
+                seen_ids.add(custom_id)
+                stats.accepted += 1
+            except _BadLine as bad:
+                stats.rejected += 1
+                if len(stats.rejections) < MAX_STRICT_ERRORS_SHOWN:
+                    stats.rejections.append((line, bad.reason))
+    return stats
+
+
+def ingest(
+    ledger: Ledger,
+    job_id: int,
+    path: str | os.PathLike[str],
+    builder: RequestBuilder,
+    *,
+    on_batch: Callable[[IngestStats], None] | None = None,
+) -> IngestStats:
+    """Stream ``path`` into the job's items, continuing after the last line already stored."""
+    stats = IngestStats()
+    max_bytes = builder.spec.run.max_line_bytes
+    start_after = ledger.last_ingested_line(job_id)
+    batch: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        dupes = ledger.insert_items(job_id, batch)
+        if dupes:
+            rows = [
+                {
+                    "line": row["line"],
+                    "custom_id": row["custom_id"],
+                    "state": ItemState.REJECTED,
+                    "error_class": "duplicate_custom_id",
+                    "error_message": f"custom_id {row['custom_id']!r} was already used on line {first}",
+                }
+                for row, first in dupes
+            ]
+            ledger.insert_items(job_id, rows)
+            stats.accepted -= len(rows)
+            stats.rejected += len(rows)
+            for row in rows:
+                _note(stats, row["line"], row["error_message"])
+        batch.clear()
+        if on_batch:
+            on_batch(stats)
+
+    with _open_input(path) as f:
+        for line, raw in iter_lines(f, max_bytes):
+            stats.lines += 1
+            if line <= start_after:
+                continue
+            try:
+                record = _parse_line(raw, max_bytes)
+                custom_id, url, body = builder.build(record, line)
+                batch.append({"line": line, "custom_id": custom_id, "url": url, "body": body, "state": ItemState.PENDING})
+                stats.accepted += 1
+            except _BadLine as bad:
+                custom_id = _fallback_custom_id(raw, line)
+                batch.append(
+                    {
+                        "line": line,
+                        "custom_id": custom_id,
+                        "state": ItemState.REJECTED,
+                        "error_class": bad.error_class,
+                        "error_message": bad.reason,
+                    }
+                )
+                stats.rejected += 1
+                _note(stats, line, bad.reason)
+            if len(batch) >= INSERT_BATCH:
+                flush()
+        flush()
+    return stats
+
+
+def _note(stats: IngestStats, line: int, reason: str) -> None:
+    if len(stats.rejections) < MAX_STRICT_ERRORS_SHOWN:
+        stats.rejections.append((line, reason))
+
+
+def _fallback_custom_id(raw: bytes | None, line: int) -> str:
+    """The key of a rejected line: its own custom_id/id when it has a usable one, else its line number."""
+    if raw:
+        try:
+            record = orjson.loads(raw)
+            if isinstance(record, dict):
+                return _custom_id(record, line)
+        except (orjson.JSONDecodeError, _BadLine):
+            pass
+    return str(line)
+
+
+def _open_input(path: str | os.PathLike[str]) -> BinaryIO:
+    try:
+        return open(Path(path), "rb", buffering=HASH_CHUNK)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such input file") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read input: {exc.strerror or exc}") from exc

@@ -1,0 +1,149 @@
+"""The library behind the commands: find or create a job, work it, decide the exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from batchrun.errors import InputError, SpecError
+from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
+from batchrun.ledger import ItemState, JobRecord, Ledger
+from batchrun.providers import provider_for
+from batchrun.scheduler import JobRunner, RunOptions, RunResult
+from batchrun.spec import JobSpec, Overrides
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_SOME_FAILED = 1
+EXIT_USAGE = 2
+EXIT_AUTH = 3
+EXIT_BUDGET = 4
+EXIT_TEMPFAIL = 75
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """A job ready to run: found again (``created`` False) or newly ingested."""
+
+    job_id: int
+    created: bool
+    ingest: IngestStats | None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    job_id: int
+    exit_code: int
+    counts: dict[str, int]
+    result: RunResult
+
+
+def prepare_job(
+    ledger: Ledger,
+    spec: JobSpec,
+    input_path: str | os.PathLike[str],
+    *,
+    new: bool = False,
+    strict: bool = False,
+    on_batch: Callable[[IngestStats], None] | None = None,
+) -> PreparedJob:
+    """Find the job for this spec and input content, or create it and ingest the input.
+
+    An interrupted ingest is carried on from its last stored line. With
+    ``strict``, a bad line refuses the whole file before any job is created.
+    """
+    if spec.has_template and not spec.provider.model:
+        raise SpecError(f"{spec.path or 'spec'}: [provider] model is required for a template job (or pass --model)")
+    path = Path(input_path)
+    input_hash = hash_input(path)
+    existing = None if new else ledger.find_job(spec.identity_hash(), input_hash)
+    if existing is not None and ledger.get_job(existing).ingest_done:
+        return PreparedJob(existing, False, None)
+    builder = RequestBuilder(spec, provider_for(spec, read_key=False))
+    if strict and existing is None:
+        checked = check_input(path, builder)
+        if checked.rejected:
+            shown = "\n".join(f"  {path}:{line}: {reason}" for line, reason in checked.rejections)
+            raise InputError(
+                f"{path}: {checked.rejected} of {checked.lines} lines are bad (--strict), nothing was submitted:\n{shown}"
+            )
+    job_id = existing if existing is not None else ledger.create_job(
+        spec, input_path=str(path.absolute()), input_hash=input_hash
+    )
+    stats = ingest(ledger, job_id, path, builder, on_batch=on_batch)
+    ledger.finish_ingest(job_id)
+    return PreparedJob(job_id, existing is None, stats)
+
+
+def exit_code_for(counts: dict[str, int], stop_reason: str | None) -> int:
+    """DESIGN.md's exit codes from the item counts and why the run stopped."""
+    if stop_reason == "auth":
+        return EXIT_AUTH
+    if stop_reason == "budget":
+        return EXIT_BUDGET
+    if counts[ItemState.PENDING] or counts[ItemState.RUNNING]:
+        return EXIT_TEMPFAIL
+    if counts[ItemState.SUCCEEDED] == sum(counts.values()):
+        return EXIT_OK
+    return EXIT_SOME_FAILED
+
+
+def effective_spec(job: JobRecord, overrides: Overrides | None) -> JobSpec:
+    return job.spec.with_overrides(overrides) if overrides else job.spec
+
+
+async def run_job(
+    ledger: Ledger,
+    job_id: int,
+    *,
+    overrides: Overrides | None = None,
+    options: RunOptions | None = None,
+    client: httpx.AsyncClient | None = None,
+    handle_signals: bool = False,
+    on_start: Callable[[JobRunner], None] | None = None,
+) -> RunSummary:
+    """Work a job until it is finished or stopped; the run's end is recorded with its exit code."""
+    job = ledger.get_job(job_id)
+    spec = effective_spec(job, overrides)
+    provider = provider_for(spec)
+    runner = JobRunner(ledger, job, spec, provider, options, client=client)
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM) if handle_signals else ()
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            print(
+                f"batchrun: {signal.Signals(signum).name}: finishing requests in flight "
+                f"(up to {spec.run.grace_seconds:g} s); send again to stop at once",
+                file=sys.stderr,
+                flush=True,
+            )
+            runner.request_stop("signal", f"stopped by {signal.Signals(signum).name}")
+        else:
+            # Leases expire and resume reclaims the items; the lock holder is dead.
+            os._exit(EXIT_TEMPFAIL)
+
+    for signum in signals:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        if on_start:
+            on_start(runner)
+        result = await runner.run()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+    counts = ledger.counts(job_id)
+    code = exit_code_for(counts, result.stop_reason)
+    ledger.end_run(job_id, result.run_id, code)
+    return RunSummary(job_id, code, counts, result)

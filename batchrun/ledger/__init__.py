@@ -1,0 +1,19 @@
+"""The ledger: SQLAlchemy models, engine set-up and the :class:`Ledger` store."""
+
+from __future__ import annotations
+
+from batchrun.ledger.engine import default_db_path, resolve_db_url
+from batchrun.ledger.models import ItemState
+from batchrun.ledger.store import AttemptRecord, ClaimedItem, ItemRow, JobRecord, Ledger, Outcome
+
+__all__ = [
+    "AttemptRecord",
+    "ClaimedItem",
+    "ItemRow",
+    "ItemState",
+    "JobRecord",
+    "Ledger",
+    "Outcome",
+    "default_db_path",
+    "resolve_db_url",
+]

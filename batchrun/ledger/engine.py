@@ -1,0 +1,123 @@
+"""Open a ledger database: URL resolution, SQLite pragmas, upgrade to head."""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import NullPool
+
+import batchrun
+from batchrun.errors import LedgerError
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def default_db_path() -> Path:
+    """Where the ledger lives when neither ``--db`` nor ``BATCHRUN_DB`` says."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "batchrun" / "ledger.db"
+
+
+def resolve_db_url(db: str | os.PathLike[str] | None) -> str:
+    """A SQLAlchemy URL from ``--db``: a URL as is, a plain path as a SQLite file."""
+    if db is None or str(db) == "":
+        db = default_db_path()
+    text = str(db)
+    if "://" in text:
+        if text.startswith("postgresql://") or text.startswith("postgres://"):
+            text = "postgresql+psycopg://" + text.split("://", 1)[1]
+        return text
+    path = Path(text).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def migrations_dir() -> Path:
+    """The Alembic scripts: inside the installed package, or beside it in a checkout."""
+    packaged = resources.files(batchrun) / "migrations"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(batchrun.__file__).resolve().parent.parent / "migrations"
+
+
+def alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    return cfg
+
+
+def create_ledger_engine(url: str) -> Engine:
+    """An engine with our SQLite settings: WAL, busy timeout, foreign keys, BEGIN IMMEDIATE."""
+    if url.startswith("sqlite"):
+        # NullPool: a file connection is cheap, and forked or threaded use never
+        # shares a pysqlite connection.
+        engine = create_engine(url, poolclass=NullPool, connect_args={"check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+            # Take transaction control from pysqlite so we can BEGIN IMMEDIATE:
+            # a writer then waits for the lock up front instead of failing on upgrade.
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            # FULL: a committed result survives power loss too; commits are batched, so it is cheap.
+            cursor.execute("PRAGMA synchronous = FULL")
+            cursor.execute("PRAGMA foreign_keys = ON")
+            cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: Any) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+
+def upgrade_to_head(engine: Engine) -> bool:
+    """Apply pending migrations; return whether anything was applied."""
+    cfg = alembic_config()
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    with engine.connect() as conn:
+        current = MigrationContext.configure(conn).get_current_revision()
+    if current == head:
+        return False
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+    return True
+
+
+def open_engine(db: str | os.PathLike[str] | None) -> Engine:
+    """Open (and upgrade) the ledger at ``db``; errors name the database."""
+    url = resolve_db_url(db)
+    try:
+        engine = create_ledger_engine(url)
+        upgrade_to_head(engine)
+    except ModuleNotFoundError as exc:
+        raise LedgerError(
+            f"cannot open ledger {_safe_url(url)}: missing driver {exc.name!r} "
+            "(for PostgreSQL install batchrun[postgres])"
+        ) from exc
+    except (SQLAlchemyError, OSError) as exc:
+        raise LedgerError(f"cannot open ledger {_safe_url(url)}: {exc}") from exc
+    return engine
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url

@@ -1,0 +1,606 @@
+"""The Ledger: every SQL statement batchrun issues, behind intention-named methods."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from sqlalchemy import Engine, bindparam, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from batchrun.errors import JobLockedError, JobNotFoundError
+from batchrun.ledger.engine import open_engine
+from batchrun.ledger.models import Attempt, Export, Item, ItemState, Job, Run
+from batchrun.spec import JobSpec
+
+jobs_t = Job.__table__
+items_t = Item.__table__
+attempts_t = Attempt.__table__
+runs_t = Run.__table__
+exports_t = Export.__table__
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as stored."""
+
+    id: int
+    name: str | None
+    created_at: float
+    spec: JobSpec
+    spec_hash: str
+    input_path: str
+    input_hash: str
+    ingest_done: bool
+    total: int
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    run_id: str
+    pid: int
+    host: str
+    since: float
+    heartbeat: float
+
+
+@dataclass(frozen=True)
+class ClaimedItem:
+    """An item leased to a run: what is needed to send it."""
+
+    id: int
+    custom_id: str
+    url: str | None
+    body: str
+    attempts: int
+
+
+@dataclass
+class Outcome:
+    """The result of working an item, written back in a batch."""
+
+    item_id: int
+    state: str
+    attempts: int
+    status_code: int | None = None
+    response: str | None = None
+    output: str | None = None
+    request_id: str | None = None
+    error_class: str | None = None
+    error_message: str | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    latency_ms: float | None = None
+    finished_at: float | None = None
+
+
+@dataclass
+class AttemptRecord:
+    """One HTTP request for an item."""
+
+    job_id: int
+    item_id: int
+    run_id: str
+    number: int
+    started_at: float
+    queue_wait_ms: float | None
+    latency_ms: float | None
+    status_code: int | None
+    error_class: str | None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ItemRow:
+    """An item as export and reports read it."""
+
+    line: int
+    custom_id: str
+    state: str
+    attempts: int
+    status_code: int | None
+    response: str | None
+    output: str | None
+    request_id: str | None
+    error_class: str | None
+    error_message: str | None
+    input_tokens: int | None
+    output_tokens: int | None
+    latency_ms: float | None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Ledger:
+    """The job database. Open with :meth:`open`; close with :meth:`close` or ``with``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.is_sqlite = engine.dialect.name == "sqlite"
+        self.url = engine.url.render_as_string(hide_password=True)
+
+    @classmethod
+    def open(cls, db: str | os.PathLike[str] | None) -> Ledger:
+        """Open the ledger at ``db`` (URL or SQLite path), upgrading its schema to head."""
+        return cls(open_engine(db))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- jobs ---------------------------------------------------------------
+
+    def create_job(self, spec: JobSpec, *, input_path: str, input_hash: str) -> int:
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                insert(jobs_t).values(
+                    name=spec.name,
+                    created_at=time.time(),
+                    spec_source=spec.source,
+                    spec_json=orjson.dumps(spec.to_dict()).decode(),
+                    spec_hash=spec.identity_hash(),
+                    input_path=input_path,
+                    input_hash=input_hash,
+                    ingest_done=False,
+                    total=0,
+                )
+            )
+            return int(result.inserted_primary_key[0])  # type: ignore[index]
+
+    def find_job(self, spec_hash: str, input_hash: str) -> int | None:
+        """The newest job with this spec and input content, if any."""
+        with self.engine.connect() as conn:
+            return conn.execute(
+                select(jobs_t.c.id)
+                .where(jobs_t.c.spec_hash == spec_hash, jobs_t.c.input_hash == input_hash)
+                .order_by(jobs_t.c.id.desc())
+                .limit(1)
+            ).scalar()
+
+    def get_job(self, job_id: int) -> JobRecord:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(jobs_t).where(jobs_t.c.id == job_id)).one_or_none()
+        if row is None:
+            raise JobNotFoundError(f"no job {job_id} in ledger {self.url} (see `batchrun list`)")
+        return JobRecord(
+            id=row.id,
+            name=row.name,
+            created_at=row.created_at,
+            spec=JobSpec.from_dict(orjson.loads(row.spec_json), source=row.spec_source),
+            spec_hash=row.spec_hash,
+            input_path=row.input_path,
+            input_hash=row.input_hash,
+            ingest_done=bool(row.ingest_done),
+            total=row.total,
+        )
+
+    def list_jobs(self) -> list[tuple[JobRecord, dict[str, int]]]:
+        with self.engine.connect() as conn:
+            ids = conn.execute(select(jobs_t.c.id).order_by(jobs_t.c.id)).scalars().all()
+            counts: dict[int, dict[str, int]] = {i: dict.fromkeys(ItemState.ALL, 0) for i in ids}
+            for job_id, state, n in conn.execute(
+                select(items_t.c.job_id, items_t.c.state, func.count()).group_by(items_t.c.job_id, items_t.c.state)
+            ):
+                counts[job_id][state] = n
+        return [(self.get_job(i), counts[i]) for i in ids]
+
+    # -- ingest -------------------------------------------------------------
+
+    def last_ingested_line(self, job_id: int) -> int:
+        with self.engine.connect() as conn:
+            return conn.execute(select(func.max(items_t.c.line)).where(items_t.c.job_id == job_id)).scalar() or 0
+
+    def insert_items(self, job_id: int, rows: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], int]]:
+        """Insert one batch of items; return the rows whose custom_id was taken, with the line that took it.
+
+        Rows carry ``line``, ``custom_id``, ``url``, ``body``, ``state`` and for rejected
+        lines ``error_class`` and ``error_message``. The caller decides what to do
+        with the duplicates (they are not inserted).
+        """
+        if not rows:
+            return []
+        values = [
+            {
+                "job_id": job_id,
+                "line": r["line"],
+                "custom_id": r["custom_id"],
+                "url": r.get("url"),
+                "body": r.get("body"),
+                "state": r["state"],
+                "attempts": 0,
+                "error_class": r.get("error_class"),
+                "error_message": r.get("error_message"),
+            }
+            for r in rows
+        ]
+        dialect = postgresql if not self.is_sqlite else sqlite
+        stmt = dialect.insert(items_t).on_conflict_do_nothing()
+        lo, hi = rows[0]["line"], rows[-1]["line"]
+        with self.engine.begin() as conn:
+            conn.execute(stmt, values)
+            stored = set(
+                conn.execute(
+                    select(items_t.c.line).where(items_t.c.job_id == job_id, items_t.c.line.between(lo, hi))
+                ).scalars()
+            )
+            dupes = [r for r in rows if r["line"] not in stored]
+            if not dupes:
+                return []
+            first_lines = dict(
+                conn.execute(
+                    select(items_t.c.custom_id, items_t.c.line).where(
+                        items_t.c.job_id == job_id,
+                        items_t.c.state != ItemState.REJECTED,
+                        items_t.c.custom_id.in_({r["custom_id"] for r in dupes}),
+                    )
+                ).all()
+            )
+        return [(r, first_lines.get(r["custom_id"], 0)) for r in dupes]
+
+    def finish_ingest(self, job_id: int) -> int:
+        with self.engine.begin() as conn:
+            total = conn.execute(select(func.count()).where(items_t.c.job_id == job_id)).scalar() or 0
+            conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(ingest_done=True, total=total))
+        return int(total)
+
+    # -- runs and the job lock ---------------------------------------------
+
+    def start_run(self, job_id: int, command: str, *, exclusive: bool, stale_after: float = 60.0) -> str:
+        """Register a run; with ``exclusive``, take the job lock or raise JobLockedError."""
+        run_id = os.urandom(8).hex()
+        now = time.time()
+        pid, host = os.getpid(), socket.gethostname()
+        with self.engine.begin() as conn:
+            if exclusive:
+                job = conn.execute(
+                    select(
+                        jobs_t.c.lock_run_id,
+                        jobs_t.c.lock_pid,
+                        jobs_t.c.lock_host,
+                        jobs_t.c.lock_since,
+                        jobs_t.c.lock_heartbeat,
+                    )
+                    .where(jobs_t.c.id == job_id)
+                    .with_for_update()
+                ).one()
+                if job.lock_run_id is not None:
+                    holder = LockHolder(job.lock_run_id, job.lock_pid, job.lock_host, job.lock_since, job.lock_heartbeat)
+                    dead = holder.host == host and not _pid_alive(holder.pid)
+                    stale = now - holder.heartbeat > stale_after
+                    if not (dead or stale):
+                        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.since))
+                        raise JobLockedError(
+                            f"job {job_id} is being worked by run {holder.run_id} "
+                            f"(pid {holder.pid} on {holder.host}, since {since}); try again later"
+                        )
+                conn.execute(
+                    update(jobs_t)
+                    .where(jobs_t.c.id == job_id)
+                    .values(lock_run_id=run_id, lock_pid=pid, lock_host=host, lock_since=now, lock_heartbeat=now)
+                )
+            conn.execute(
+                insert(runs_t).values(
+                    id=run_id, job_id=job_id, command=command, pid=pid, host=host, started_at=now, heartbeat_at=now
+                )
+            )
+        return run_id
+
+    def heartbeat(self, job_id: int, run_id: str, lease_seconds: float) -> None:
+        """Show the run is alive and extend the leases of the items it holds."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(update(runs_t).where(runs_t.c.id == run_id).values(heartbeat_at=now))
+            conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.lock_run_id == run_id).values(lock_heartbeat=now))
+            conn.execute(
+                update(items_t)
+                .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.RUNNING, items_t.c.lease_owner == run_id)
+                .values(lease_expires=now + lease_seconds)
+            )
+
+    def end_run(self, job_id: int, run_id: str, exit_code: int) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(runs_t).where(runs_t.c.id == run_id).values(ended_at=time.time(), exit_code=exit_code))
+            conn.execute(
+                update(jobs_t)
+                .where(jobs_t.c.id == job_id, jobs_t.c.lock_run_id == run_id)
+                .values(lock_run_id=None, lock_pid=None, lock_host=None, lock_since=None, lock_heartbeat=None)
+            )
+
+    # -- the hot path -------------------------------------------------------
+
+    def requeue_orphans(self, job_id: int, run_id: str) -> int:
+        """Put back to pending every running item not leased to ``run_id``.
+
+        Only safe while holding the job lock: any other holder is then gone.
+        """
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                update(items_t)
+                .where(
+                    items_t.c.job_id == job_id,
+                    items_t.c.state == ItemState.RUNNING,
+                    (items_t.c.lease_owner != run_id) | items_t.c.lease_owner.is_(None),
+                )
+                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
+            )
+            return int(result.rowcount)
+
+    def requeue_expired(self, job_id: int) -> int:
+        """Put back to pending the running items whose lease has expired."""
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                update(items_t)
+                .where(
+                    items_t.c.job_id == job_id,
+                    items_t.c.state == ItemState.RUNNING,
+                    items_t.c.lease_expires < time.time(),
+                )
+                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
+            )
+            return int(result.rowcount)
+
+    def claim(self, job_id: int, run_id: str, limit: int, lease_seconds: float) -> list[ClaimedItem]:
+        """Lease up to ``limit`` pending items to ``run_id``, in input order."""
+        pick = (
+            select(items_t.c.id)
+            .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.PENDING)
+            .order_by(items_t.c.id)
+            .limit(limit)
+        )
+        if not self.is_sqlite:
+            pick = pick.with_for_update(skip_locked=True)
+        stmt = (
+            update(items_t)
+            .where(items_t.c.id.in_(pick.scalar_subquery()))
+            .values(state=ItemState.RUNNING, lease_owner=run_id, lease_expires=time.time() + lease_seconds)
+            .returning(items_t.c.id, items_t.c.custom_id, items_t.c.url, items_t.c.body, items_t.c.attempts)
+        )
+        with self.engine.begin() as conn:
+            rows = conn.execute(stmt).all()
+        return sorted((ClaimedItem(r.id, r.custom_id, r.url, r.body, r.attempts) for r in rows), key=lambda c: c.id)
+
+    def record(self, run_id: str, outcomes: Sequence[Outcome], attempts: Sequence[AttemptRecord]) -> None:
+        """Write a batch of outcomes and attempts in one transaction.
+
+        An outcome only lands on an item this run still holds: a lease lost to
+        another run (or a cancel) is not overwritten.
+        """
+        if not outcomes and not attempts:
+            return
+        with self.engine.begin() as conn:
+            if attempts:
+                conn.execute(insert(attempts_t), [a.__dict__ for a in attempts])
+            if outcomes:
+                final = [o for o in outcomes if o.state != ItemState.PENDING]
+                back = [o for o in outcomes if o.state == ItemState.PENDING]
+                guard = (
+                    (items_t.c.id == bindparam("b_id"))
+                    & (items_t.c.lease_owner == run_id)
+                    & (items_t.c.state == ItemState.RUNNING)
+                )
+                if final:
+                    conn.execute(
+                        update(items_t)
+                        .where(guard)
+                        .values(
+                            state=bindparam("b_state"),
+                            attempts=bindparam("b_attempts"),
+                            status_code=bindparam("b_status_code"),
+                            response=bindparam("b_response"),
+                            output=bindparam("b_output"),
+                            request_id=bindparam("b_request_id"),
+                            error_class=bindparam("b_error_class"),
+                            error_message=bindparam("b_error_message"),
+                            input_tokens=bindparam("b_input_tokens"),
+                            output_tokens=bindparam("b_output_tokens"),
+                            latency_ms=bindparam("b_latency_ms"),
+                            finished_at=bindparam("b_finished_at"),
+                            lease_owner=None,
+                            lease_expires=None,
+                        ),
+                        [{f"b_{k[5:] if k == 'item_id' else k}": v for k, v in o.__dict__.items()} for o in final],
+                    )
+                if back:
+                    conn.execute(
+                        update(items_t)
+                        .where(guard)
+                        .values(
+                            state=ItemState.PENDING,
+                            attempts=bindparam("b_attempts"),
+                            status_code=bindparam("b_status_code"),
+                            error_class=bindparam("b_error_class"),
+                            error_message=bindparam("b_error_message"),
+                            lease_owner=None,
+                            lease_expires=None,
+                        ),
+                        [
+                            {
+                                "b_id": o.item_id,
+                                "b_attempts": o.attempts,
+                                "b_status_code": o.status_code,
+                                "b_error_class": o.error_class,
+                                "b_error_message": o.error_message,
+                            }
+                            for o in back
+                        ],
+                    )
+
+    def release(self, run_id: str, item_ids: Sequence[int]) -> None:
+        """Give leased items back (to pending) untouched."""
+        if not item_ids:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(items_t)
+                .where(
+                    items_t.c.id.in_(list(item_ids)),
+                    items_t.c.lease_owner == run_id,
+                    items_t.c.state == ItemState.RUNNING,
+                )
+                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
+            )
+
+    # -- user actions -------------------------------------------------------
+
+    def retry(self, job_id: int, states: Sequence[str], where: dict[str, str] | None = None) -> int:
+        """Send finished items in ``states`` back to pending with a fresh attempt budget."""
+        cond = [items_t.c.job_id == job_id, items_t.c.state.in_(list(states))]
+        for column, value in (where or {}).items():
+            cond.append(items_t.c[column] == value)
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                update(items_t)
+                .where(*cond)
+                .values(
+                    state=ItemState.PENDING,
+                    attempts=0,
+                    error_class=None,
+                    error_message=None,
+                    status_code=None,
+                    finished_at=None,
+                )
+            )
+            return int(result.rowcount)
+
+    def cancel(self, job_id: int) -> int:
+        """Cancel every pending or running item of the job."""
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                update(items_t)
+                .where(items_t.c.job_id == job_id, items_t.c.state.in_([ItemState.PENDING, ItemState.RUNNING]))
+                .values(state=ItemState.CANCELLED, lease_owner=None, lease_expires=None, finished_at=time.time())
+            )
+            return int(result.rowcount)
+
+    # -- reading ------------------------------------------------------------
+
+    def counts(self, job_id: int) -> dict[str, int]:
+        counts = dict.fromkeys(ItemState.ALL, 0)
+        with self.engine.connect() as conn:
+            for state, n in conn.execute(
+                select(items_t.c.state, func.count()).where(items_t.c.job_id == job_id).group_by(items_t.c.state)
+            ):
+                counts[state] = n
+        return counts
+
+    def item_stats(self, job_id: int) -> dict[str, Any]:
+        """Token totals, latencies of succeeded items, and errors by class."""
+        with self.engine.connect() as conn:
+            tokens = conn.execute(
+                select(
+                    func.coalesce(func.sum(items_t.c.input_tokens), 0),
+                    func.coalesce(func.sum(items_t.c.output_tokens), 0),
+                ).where(items_t.c.job_id == job_id)
+            ).one()
+            latencies = sorted(
+                conn.execute(
+                    select(items_t.c.latency_ms).where(
+                        items_t.c.job_id == job_id,
+                        items_t.c.state == ItemState.SUCCEEDED,
+                        items_t.c.latency_ms.is_not(None),
+                    )
+                ).scalars()
+            )
+            errors = dict(
+                conn.execute(
+                    select(items_t.c.error_class, func.count())
+                    .where(
+                        items_t.c.job_id == job_id,
+                        items_t.c.state.in_([ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED]),
+                    )
+                    .group_by(items_t.c.error_class)
+                ).all()
+            )
+            attempt_stats = conn.execute(
+                select(func.count(), func.min(attempts_t.c.started_at), func.max(attempts_t.c.started_at)).where(
+                    attempts_t.c.job_id == job_id
+                )
+            ).one()
+            attempt_errors = dict(
+                conn.execute(
+                    select(attempts_t.c.error_class, func.count())
+                    .where(attempts_t.c.job_id == job_id, attempts_t.c.error_class.is_not(None))
+                    .group_by(attempts_t.c.error_class)
+                ).all()
+            )
+        return {
+            "input_tokens": int(tokens[0]),
+            "output_tokens": int(tokens[1]),
+            "latencies_ms": latencies,
+            "errors": {str(k): v for k, v in errors.items()},
+            "attempts": int(attempt_stats[0]),
+            "first_attempt_at": attempt_stats[1],
+            "last_attempt_at": attempt_stats[2],
+            "attempt_errors": {str(k): v for k, v in attempt_errors.items()},
+        }
+
+    def iter_items(self, job_id: int, *, chunk: int = 2000) -> Iterator[ItemRow]:
+        """Every item of the job in input order, read in bounded chunks (keyset pagination)."""
+        cols = [
+            items_t.c.line,
+            items_t.c.custom_id,
+            items_t.c.state,
+            items_t.c.attempts,
+            items_t.c.status_code,
+            items_t.c.response,
+            items_t.c.output,
+            items_t.c.request_id,
+            items_t.c.error_class,
+            items_t.c.error_message,
+            items_t.c.input_tokens,
+            items_t.c.output_tokens,
+            items_t.c.latency_ms,
+        ]
+        last = -1
+        while True:
+            with self.engine.connect() as conn:
+                rows = conn.execute(
+                    select(*cols)
+                    .where(items_t.c.job_id == job_id, items_t.c.line > last)
+                    .order_by(items_t.c.line)
+                    .limit(chunk)
+                ).all()
+            if not rows:
+                return
+            for r in rows:
+                yield ItemRow(*r)
+            last = rows[-1].line
+
+    # -- exports ------------------------------------------------------------
+
+    def record_export(self, job_id: int, path: str, fmt: str, sha256: str, lines: int) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                insert(exports_t).values(
+                    job_id=job_id, path=path, format=fmt, sha256=sha256, lines=lines, created_at=time.time()
+                )
+            )
+
+    def is_export_of(self, job_id: int, sha256: str) -> bool:
+        """Whether a file with this content is one of this job's own exports."""
+        with self.engine.connect() as conn:
+            return (
+                conn.execute(
+                    select(exports_t.c.id).where(exports_t.c.job_id == job_id, exports_t.c.sha256 == sha256).limit(1)
+                ).first()
+                is not None
+            )

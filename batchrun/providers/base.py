@@ -1,0 +1,195 @@
+"""What every provider shares: the request/reply shapes, the HTTP client, and
+turning transport failures and HTTP statuses into our error classes."""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+import httpx
+import orjson
+
+from batchrun.errors import AuthError, PermanentError, ProviderError, RateLimitedError, RetryableError
+from batchrun.spec import JobSpec
+
+RETRYABLE_STATUS = frozenset({408, 409, 425})
+SECRET_HEADERS = frozenset({"authorization", "x-api-key", "api-key"})
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request ready to send: full URL, headers (with the key) and body bytes."""
+
+    url: str
+    headers: Mapping[str, str]
+    content: bytes
+
+    def __repr__(self) -> str:  # never show the key
+        return f"PreparedRequest(url={self.url!r}, headers={redact_headers(self.headers)!r}, {len(self.content)} bytes)"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A successful answer, parsed."""
+
+    status_code: int
+    body: str
+    output: str | None
+    finish_reason: str | None
+    input_tokens: int | None
+    output_tokens: int | None
+    request_id: str | None
+
+
+class Provider(Protocol):
+    """One API's differences: request shape, auth, reply parsing, error bodies."""
+
+    kind: str
+
+    def render_body(self, messages: Sequence[Mapping[str, str]]) -> dict[str, Any]:
+        """A request body from rendered chat messages and the spec's request settings."""
+        ...
+
+    def check_batch_line(self, record: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """(url, body) of a provider batch-form input line; ValueError with the reason if it is not one."""
+        ...
+
+    def prepare(self, url: str | None, body: str) -> PreparedRequest:
+        """The HTTP request for a stored item."""
+        ...
+
+    def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
+        """A Reply for a 2xx answer; raise the right ProviderError otherwise."""
+        ...
+
+
+def redact_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: ("***" if k.lower() in SECRET_HEADERS else v) for k, v in headers.items()}
+
+
+def retry_after_seconds(headers: httpx.Headers) -> float | None:
+    """The delay a 429/503 asks for: ``retry-after-ms``, else ``retry-after`` (seconds or HTTP date)."""
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return max(0.0, float(ms) / 1000.0)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def error_for_status(status_code: int, headers: httpx.Headers, message: str, body: str) -> ProviderError:
+    """Our error class for a non-2xx HTTP status (DESIGN.md: Calling the API)."""
+    text = f"HTTP {status_code}: {message}"
+    if status_code == 429:
+        return RateLimitedError(text, retry_after=retry_after_seconds(headers), status_code=status_code, body=body)
+    if status_code in (401, 403):
+        return AuthError(text, status_code=status_code, body=body)
+    if status_code >= 500:
+        err = RetryableError(text, status_code=status_code, error_class="server_error", body=body)
+        return err
+    if status_code in RETRYABLE_STATUS:
+        return RetryableError(text, status_code=status_code, error_class="retryable_status", body=body)
+    return PermanentError(text, status_code=status_code, body=body)
+
+
+def make_client(spec: JobSpec, *, transport: str = "aiohttp") -> httpx.AsyncClient:
+    """The one AsyncClient of a run: explicit timeouts and limits, aiohttp transport by default."""
+    timeout = httpx.Timeout(spec.run.timeout, connect=spec.run.connect_timeout)
+    limits = httpx.Limits(
+        max_connections=spec.run.concurrency + 8, max_keepalive_connections=spec.run.concurrency + 8
+    )
+    if transport == "httpx":
+        return httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False, trust_env=False)
+    if transport != "aiohttp":
+        raise ValueError(f"unknown transport {transport!r}: expected aiohttp or httpx")
+    from httpx_aiohttp import AiohttpTransport
+
+    return httpx.AsyncClient(
+        transport=AiohttpTransport(limits=limits, trust_env=False),
+        timeout=timeout,
+        follow_redirects=False,
+        trust_env=False,
+    )
+
+
+async def send(
+    client: httpx.AsyncClient, provider: Provider, request: PreparedRequest, *, total_timeout: float
+) -> Reply:
+    """One attempt: POST, read the whole body within ``total_timeout``, parse.
+
+    Transport failures become RetryableError with class ``timeout``,
+    ``connection`` or ``truncated_body``; statuses are classified by the provider.
+    """
+    started = time.perf_counter()
+    response: httpx.Response | None = None
+    try:
+        async with asyncio.timeout(total_timeout):
+            response = await client.send(
+                client.build_request("POST", request.url, headers=request.headers, content=request.content),
+                stream=True,
+            )
+            try:
+                content = await response.aread()
+            except (httpx.TransportError, aiohttp.ClientError, OSError) as exc:
+                raise RetryableError(
+                    f"response body cut short: {_describe(exc)}", status_code=response.status_code,
+                    error_class="truncated_body",
+                ) from exc
+            finally:
+                await response.aclose()
+    except TimeoutError as exc:
+        raise RetryableError(f"no complete answer within {total_timeout:g} s", error_class="timeout") from exc
+    except (httpx.TransportError, aiohttp.ClientError, OSError) as exc:
+        error_class = transport_error_class(exc)
+        what = "timed out" if error_class == "timeout" else "connection failed"
+        raise RetryableError(f"{what}: {_describe(exc)}", error_class=error_class) from exc
+    latency_ms = (time.perf_counter() - started) * 1000.0
+    return provider.parse(response.status_code, response.headers, content, latency_ms=latency_ms)
+
+
+def transport_error_class(exc: BaseException) -> str:
+    """``timeout`` or ``connection``, judged by the underlying error.
+
+    httpx-aiohttp maps every aiohttp connection error (a reset included) to
+    httpx.ConnectTimeout, so the aiohttp cause decides when there is one.
+    """
+    cause = exc.__cause__
+    if isinstance(cause, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return "timeout"
+    if isinstance(cause, (aiohttp.ClientError, OSError)):
+        return "connection"
+    return "timeout" if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)) else "connection"
+
+
+def _describe(exc: BaseException) -> str:
+    cause = exc.__cause__
+    text = str(exc) or type(exc).__name__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text = f"{text} ({type(cause).__name__}: {cause})"
+    elif not str(exc):
+        text = type(cause).__name__ if cause is not None else type(exc).__name__
+    return text
+
+
+def json_or_none(content: bytes) -> Any:
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None

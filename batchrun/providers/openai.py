@@ -1,0 +1,117 @@
+"""OpenAI Chat Completions (and OpenAI-compatible servers)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import orjson
+
+from batchrun.errors import RetryableError
+from batchrun.providers.base import PreparedRequest, Reply, error_for_status, json_or_none
+from batchrun.spec import JobSpec
+
+CHAT_PATH = "/chat/completions"
+
+
+class OpenAIProvider:
+    """``kind = "openai"``: POST /v1/chat/completions with a Bearer key."""
+
+    kind = "openai"
+
+    def __init__(self, spec: JobSpec, api_key: str | None) -> None:
+        if not spec.provider.base_url:
+            raise ValueError("base_url is required")
+        self.spec = spec
+        self.base_url = spec.provider.base_url.rstrip("/")
+        self.model = spec.provider.model
+        self._base_has_path = urlsplit(self.base_url).path not in ("", "/")
+        self.headers = {"content-type": "application/json", "accept": "application/json"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
+
+    def endpoint(self, path: str | None) -> str:
+        """The full URL for a batch line's ``url`` (``/v1/chat/completions``) or the default route.
+
+        A base URL that already ends in a version (``…/v1``, the SDK convention)
+        is not given a second one; a bare host gets ``/v1``.
+        """
+        if path is None:
+            return self.base_url + (CHAT_PATH if self._base_has_path else "/v1" + CHAT_PATH)
+        if self._base_has_path and path.startswith("/v1/") and self.base_url.endswith("/v1"):
+            path = path[3:]
+        return self.base_url + path
+
+    def render_body(self, messages: Sequence[Mapping[str, str]]) -> dict[str, Any]:
+        req = self.spec.request
+        body: dict[str, Any] = {}
+        if self.model:
+            body["model"] = self.model
+        body["messages"] = list(messages)
+        if req.max_tokens is not None:
+            body["max_tokens"] = req.max_tokens
+        if req.temperature is not None:
+            body["temperature"] = req.temperature
+        body.update(req.extra)
+        return body
+
+    def check_batch_line(self, record: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        method, url, body = record.get("method"), record.get("url"), record.get("body")
+        if not isinstance(body, dict):
+            raise ValueError("not an OpenAI Batch API request: 'body' must be a JSON object")
+        if method is not None and str(method).upper() != "POST":
+            raise ValueError(f"method {method!r} is not supported (only POST)")
+        if not isinstance(url, str) or not url.startswith("/"):
+            raise ValueError("not an OpenAI Batch API request: 'url' must be a path such as /v1/chat/completions")
+        if "model" not in body and not self.model:
+            raise ValueError("body has no 'model' and none is configured (use --model or [provider] model)")
+        return url, body
+
+    def prepare(self, url: str | None, body: str) -> PreparedRequest:
+        content = body.encode()
+        if self.model:
+            data = orjson.loads(content)
+            if data.get("model") != self.model:
+                data["model"] = self.model
+                content = orjson.dumps(data)
+        return PreparedRequest(self.endpoint(url), self.headers, content)
+
+    def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
+        data = json_or_none(content)
+        text = content.decode("utf-8", errors="replace")
+        if not 200 <= status_code < 300:
+            message = text[:500]
+            if isinstance(data, dict) and isinstance(data.get("error"), dict):
+                message = str(data["error"].get("message") or message)
+            raise error_for_status(status_code, headers, message, text)
+        if not isinstance(data, dict):
+            raise RetryableError(
+                f"HTTP {status_code} with a body that is not a JSON object: {text[:200]!r}",
+                status_code=status_code,
+                error_class="bad_response",
+                body=text,
+            )
+        output: str | None = None
+        finish_reason: str | None = None
+        choices = data.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            message = choices[0].get("message") or {}
+            content_value = message.get("content") if isinstance(message, dict) else None
+            output = content_value if isinstance(content_value, str) else None
+            finish_reason = choices[0].get("finish_reason")
+        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+        return Reply(
+            status_code=status_code,
+            body=text,
+            output=output,
+            finish_reason=finish_reason,
+            input_tokens=_int_or_none(usage.get("prompt_tokens")),
+            output_tokens=_int_or_none(usage.get("completion_tokens")),
+            request_id=headers.get("x-request-id"),
+        )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

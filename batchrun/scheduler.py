@@ -1,0 +1,397 @@
+"""The worker pool: claim with leases -> bounded requests -> batched outcomes.
+
+One asyncio loop runs three things:
+
+- the dispatcher claims items in batches and starts one task per item, with
+  at most ``2 × concurrency`` item tasks alive;
+- each item task sends attempts through tenacity; every attempt takes a slot
+  of the :class:`AdaptiveConcurrency` controller, so backoff sleeps hold none;
+- the writer commits outcomes and attempts in batches (by count or every
+  ``flush_interval``) and renews the run's heartbeat and leases.
+
+The ledger is synchronous; its calls run on one dedicated thread so the loop
+never blocks on SQLite and the ledger sees one writer per process.
+
+Stopping: :meth:`JobRunner.request_stop` stops claiming; unstarted items go
+back at once, in-flight requests get ``grace_seconds`` to finish, anything
+left is put back to ``pending``, the ledger is flushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity.wait import wait_base
+
+from batchrun.errors import AuthError, PermanentError, ProviderError, RateLimitedError, RetryableError
+from batchrun.ledger import AttemptRecord, ClaimedItem, ItemState, JobRecord, Ledger, Outcome
+from batchrun.providers import Provider, Reply, make_client, send
+from batchrun.ratelimit import AdaptiveConcurrency
+from batchrun.spec import JobSpec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_RATE_LIMITED_PER_ITEM = 30
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run behaves, beyond the spec."""
+
+    command: str = "submit"
+    exclusive: bool = True
+    transport: str = "aiohttp"
+    initial_concurrency: int = 4
+    flush_interval: float = 0.25
+    flush_count: int = 500
+    heartbeat_interval: float = 10.0
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+
+
+@dataclass
+class RunStats:
+    """Live figures of one run, for progress displays."""
+
+    started_at: float = field(default_factory=time.time)
+    done: Counter[str] = field(default_factory=Counter)
+    requests: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    in_flight: int = 0
+    window: int = 0
+    paused_for: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_id: str
+    stop_reason: str | None
+    stop_message: str | None
+
+
+class _Stopped(Exception):
+    """The run is stopping: put the item back untouched."""
+
+
+class _WaitRetryAfter(wait_base):
+    """Wait what a 429 asked for (plus a little jitter), else exponential backoff with jitter."""
+
+    def __init__(self, fallback: wait_base, rng: random.Random) -> None:
+        self.fallback = fallback
+        self.rng = rng
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        if isinstance(exc, RateLimitedError) and exc.retry_after is not None:
+            return exc.retry_after + self.rng.uniform(0.0, 0.1 + exc.retry_after * 0.1)
+        return self.fallback(retry_state)
+
+
+@dataclass
+class _ItemWork:
+    item: ClaimedItem
+    ready_at: float
+    counted: int  # attempts that count against max_attempts (429s do not)
+    rate_limited: int = 0
+
+
+class JobRunner:
+    """Works one job until nothing is left to claim or it is told to stop."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        job: JobRecord,
+        spec: JobSpec,
+        provider: Provider,
+        options: RunOptions | None = None,
+        *,
+        client: httpx.AsyncClient | None = None,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.job = job
+        self.spec = spec
+        self.provider = provider
+        self.options = options or RunOptions()
+        self.stats = RunStats()
+        self.run_id = ""
+        self._client = client
+        self._sleep = sleep
+        self._stop = asyncio.Event()
+        self._stop_reason: str | None = None
+        self._stop_message: str | None = None
+        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-ledger")
+        self._outcomes: list[Outcome] = []
+        self._attempts: list[AttemptRecord] = []
+        self._flush_now = asyncio.Event()
+        self._writer_done = False
+        self._rng = random.Random()
+        self.controller = AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency)
+
+    # -- control ------------------------------------------------------------
+
+    def request_stop(self, reason: str, message: str | None = None) -> None:
+        """Stop claiming and wind down (first reason wins)."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+            self._stop_message = message
+            log.info("stopping run: %s", message or reason, extra={"job": self.job.id})
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def _ledger(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
+
+    # -- the run ------------------------------------------------------------
+
+    async def run(self) -> RunResult:
+        """Work the job; returns how the run ended. Raises JobLockedError if another run holds it."""
+        try:
+            self.run_id = await self._ledger(
+                lambda: self.ledger.start_run(self.job.id, self.options.command, exclusive=self.options.exclusive)
+            )
+            if self.options.exclusive:
+                orphans = await self._ledger(self.ledger.requeue_orphans, self.job.id, self.run_id)
+            else:
+                orphans = await self._ledger(self.ledger.requeue_expired, self.job.id)
+            if orphans:
+                log.info("put %d items left running by an earlier run back to pending", orphans)
+            owns_client = self._client is None
+            if self._client is None:
+                self._client = make_client(self.spec, transport=self.options.transport)
+            try:
+                writer = asyncio.create_task(self._writer(), name="batchrun-writer")
+                try:
+                    await self._dispatch(writer)
+                finally:
+                    self._writer_done = True
+                    self._flush_now.set()
+                    await writer
+            finally:
+                if owns_client:
+                    await self._client.aclose()
+                    self._client = None
+        finally:
+            self._db.shutdown(wait=True)
+        return RunResult(self.run_id, self._stop_reason, self._stop_message)
+
+    async def _dispatch(self, writer: asyncio.Task[None]) -> None:
+        queue: deque[ClaimedItem] = deque()
+        active: set[asyncio.Task[None]] = set()
+        max_tasks = 2 * self.spec.run.concurrency
+        batch = max(64, min(1000, 2 * self.spec.run.concurrency))
+        stop_waiter = asyncio.create_task(self._stop.wait())
+        try:
+            while not self.stopping:
+                if writer.done():
+                    writer.result()  # the writer died: stop with its error
+                if not queue:
+                    claimed = await self._ledger(
+                        self.ledger.claim, self.job.id, self.run_id, batch, self.spec.run.lease_seconds
+                    )
+                    if not claimed:
+                        if not active:
+                            return
+                        await asyncio.wait(active | {stop_waiter, writer}, return_when=asyncio.FIRST_COMPLETED)
+                        continue
+                    queue.extend(claimed)
+                if len(active) >= max_tasks:
+                    await asyncio.wait(active | {stop_waiter, writer}, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                work = _ItemWork(queue.popleft(), time.monotonic(), 0)
+                work.counted = work.item.attempts
+                task = asyncio.create_task(self._work(work))
+                active.add(task)
+                task.add_done_callback(active.discard)
+        finally:
+            stop_waiter.cancel()
+            # Unstarted items go back at once; in-flight ones get the grace period.
+            if queue:
+                for item in queue:
+                    self._outcomes.append(Outcome(item.id, ItemState.PENDING, item.attempts))
+                queue.clear()
+            if active:
+                done, pending = await asyncio.wait(active, timeout=self.spec.run.grace_seconds)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    await asyncio.wait(pending)
+
+    async def _work(self, work: _ItemWork) -> None:
+        retrying = AsyncRetrying(
+            stop=lambda state: self._budget_spent(work),
+            wait=_WaitRetryAfter(
+                wait_exponential_jitter(initial=self.options.backoff_initial, max=self.options.backoff_max), self._rng
+            ),
+            retry=retry_if_exception_type(RetryableError),
+            sleep=self._interruptible_sleep,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    reply = await self._attempt(work)
+        except _Stopped:
+            self._put_back(work)
+        except AuthError as exc:
+            self.request_stop("auth", f"authentication refused: {exc.message}")
+            self._put_back(work)
+        except ProviderError as exc:
+            self._finish(work, ItemState.FAILED, error=exc)
+        except asyncio.CancelledError:
+            self._put_back(work)
+            raise
+        else:
+            self._finish(work, ItemState.SUCCEEDED, reply=reply)
+
+    def _budget_spent(self, work: _ItemWork) -> bool:
+        return work.counted >= self.spec.run.max_attempts or work.rate_limited >= MAX_RATE_LIMITED_PER_ITEM
+
+    async def _interruptible_sleep(self, seconds: float) -> None:
+        if self._sleep is not None:
+            await self._sleep(seconds)
+            return
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _attempt(self, work: _ItemWork) -> Reply:
+        if self.stopping:
+            raise _Stopped
+        await self.controller.acquire()
+        if self.stopping:
+            await self.controller.release()
+            raise _Stopped
+        queue_wait_ms = (time.monotonic() - work.ready_at) * 1000.0
+        started = time.time()
+        t0 = time.perf_counter()
+        self.stats.requests += 1
+        self.stats.in_flight += 1
+        error: ProviderError | None = None
+        reply: Reply | None = None
+        try:
+            request = self.provider.prepare(work.item.url, work.item.body)
+            reply = await send(self._http(), self.provider, request, total_timeout=self.spec.run.timeout)
+        except ProviderError as exc:
+            error = exc
+        finally:
+            self.stats.in_flight -= 1
+            await self.controller.release()
+        latency_ms = (time.perf_counter() - t0) * 1000.0
+        if isinstance(error, RateLimitedError):
+            work.rate_limited += 1
+            self.controller.on_rate_limited(error.retry_after)
+        elif not isinstance(error, AuthError):
+            work.counted += 1
+            if error is None:
+                self.controller.on_success()
+        self._attempts.append(
+            AttemptRecord(
+                job_id=self.job.id,
+                item_id=work.item.id,
+                run_id=self.run_id,
+                number=work.counted + work.rate_limited,
+                started_at=started,
+                queue_wait_ms=queue_wait_ms,
+                latency_ms=latency_ms,
+                status_code=reply.status_code if reply else error.status_code if error else None,
+                error_class=error.error_class if error else None,
+                input_tokens=reply.input_tokens if reply else None,
+                output_tokens=reply.output_tokens if reply else None,
+            )
+        )
+        work.ready_at = time.monotonic()
+        if error is not None:
+            self.stats.errors[error.error_class] += 1
+            log.debug("item %s attempt failed: %s", work.item.custom_id, error.message)
+            raise error
+        assert reply is not None
+        self.stats.input_tokens += reply.input_tokens or 0
+        self.stats.output_tokens += reply.output_tokens or 0
+        return reply
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("no HTTP client")
+        return self._client
+
+    # -- outcomes -----------------------------------------------------------
+
+    def _put_back(self, work: _ItemWork) -> None:
+        self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.counted))
+        self.stats.done["released"] += 1
+        self._maybe_flush()
+
+    def _finish(self, work: _ItemWork, state: str, *, reply: Reply | None = None, error: ProviderError | None = None) -> None:
+        now = time.time()
+        if reply is not None:
+            outcome = Outcome(
+                item_id=work.item.id,
+                state=state,
+                attempts=work.counted,
+                status_code=reply.status_code,
+                response=reply.body,
+                output=reply.output,
+                request_id=reply.request_id,
+                input_tokens=reply.input_tokens,
+                output_tokens=reply.output_tokens,
+                latency_ms=self._attempts[-1].latency_ms if self._attempts else None,
+                finished_at=now,
+            )
+        else:
+            assert error is not None
+            outcome = Outcome(
+                item_id=work.item.id,
+                state=state,
+                attempts=work.counted,
+                status_code=error.status_code,
+                response=error.body,
+                error_class=error.error_class,
+                error_message=error.message,
+                finished_at=now,
+            )
+        self._outcomes.append(outcome)
+        self.stats.done[state] += 1
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if len(self._outcomes) >= self.options.flush_count:
+            self._flush_now.set()
+
+    async def _writer(self) -> None:
+        last_beat = time.monotonic()
+        while True:
+            try:
+                await asyncio.wait_for(self._flush_now.wait(), self.options.flush_interval)
+            except TimeoutError:
+                pass
+            self._flush_now.clear()
+            self.stats.window = self.controller.allowed
+            self.stats.paused_for = self.controller.paused_for()
+            outcomes, self._outcomes = self._outcomes, []
+            attempts, self._attempts = self._attempts, []
+            if outcomes or attempts:
+                await self._ledger(self.ledger.record, self.run_id, outcomes, attempts)
+            if time.monotonic() - last_beat >= self.options.heartbeat_interval:
+                await self._ledger(self.ledger.heartbeat, self.job.id, self.run_id, self.spec.run.lease_seconds)
+                last_beat = time.monotonic()
+            if self._writer_done and not self._outcomes and not self._attempts:
+                return

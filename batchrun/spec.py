@@ -1,0 +1,339 @@
+"""Job specs: load and check a TOML file into a frozen :class:`JobSpec`.
+
+Precedence is flags > spec > defaults, resolved once here; the rest of the
+library only ever sees the frozen result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from batchrun.errors import SpecError
+
+PROVIDER_KINDS = ("openai",)
+DEFAULT_API_KEY_ENV = {"openai": "OPENAI_API_KEY"}
+
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
+_FIELD_PATH = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
+
+
+class TemplateFieldError(KeyError):
+    """A placeholder names a field the record does not have."""
+
+
+@dataclass(frozen=True)
+class Template:
+    """A ``{field}`` / ``{field.sub}`` template compiled once, rendered per record.
+
+    ``{{`` and ``}}`` stand for literal braces. Strings are inserted as they are;
+    other values as JSON.
+    """
+
+    source: str
+    parts: tuple[str | tuple[str, ...], ...]
+
+    @classmethod
+    def compile(cls, source: str, *, where: str = "template") -> Template:
+        parts: list[str | tuple[str, ...]] = []
+        pos = 0
+        for match in _PLACEHOLDER.finditer(source):
+            parts.append(source[pos : match.start()])
+            token = match.group(0)
+            if token in ("{{", "}}"):
+                parts.append(token[0])
+            else:
+                name = match.group(1).strip()
+                if not _FIELD_PATH.fullmatch(name):
+                    raise SpecError(
+                        f"{where}: placeholder {token!r} is not a field name "
+                        "(use {field} or {field.sub}; write {{ and }} for literal braces)"
+                    )
+                parts.append(tuple(name.split(".")))
+            pos = match.end()
+        rest = source[pos:]
+        if "{" in rest or "}" in rest:
+            raise SpecError(f"{where}: unbalanced brace in {rest!r} (write {{{{ or }}}} for a literal brace)")
+        parts.append(rest)
+        return cls(source, tuple(p for p in parts if p != ""))
+
+    @property
+    def fields(self) -> list[str]:
+        return [".".join(p) for p in self.parts if isinstance(p, tuple)]
+
+    def render(self, record: Mapping[str, Any]) -> str:
+        out: list[str] = []
+        for part in self.parts:
+            if isinstance(part, str):
+                out.append(part)
+                continue
+            value: Any = record
+            for i, key in enumerate(part):
+                if isinstance(value, Mapping) and key in value:
+                    value = value[key]
+                elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+                    value = value[int(key)]
+                else:
+                    raise TemplateFieldError(".".join(part[: i + 1]))
+            out.append(value if isinstance(value, str) else orjson.dumps(value).decode())
+        return "".join(out)
+
+
+@dataclass(frozen=True)
+class ProviderSpec:
+    kind: str = "openai"
+    base_url: str | None = None
+    model: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    system: str | None = None
+    template: str | None = None
+    messages: tuple[tuple[str, str], ...] = ()
+    max_tokens: int | None = None
+    temperature: float | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    concurrency: int = 32
+    max_attempts: int = 5
+    timeout: float = 300.0
+    connect_timeout: float = 10.0
+    max_line_bytes: int = 1_000_000
+    lease_seconds: float = 120.0
+    grace_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Run-time flags that win over the spec (``--base-url``, ``--model``, ...)."""
+
+    base_url: str | None = None
+    model: str | None = None
+    concurrency: int | None = None
+    max_attempts: int | None = None
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A checked job spec. ``source`` is the text as the user wrote it."""
+
+    provider: ProviderSpec
+    request: RequestSpec
+    run: RunSpec
+    name: str | None = None
+    source: str = ""
+    path: str | None = None
+
+    @property
+    def has_template(self) -> bool:
+        return self.request.template is not None or bool(self.request.messages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved spec as stored in the ledger."""
+        data = dataclasses.asdict(self)
+        data.pop("source")
+        data.pop("path")
+        data["request"]["messages"] = [list(m) for m in self.request.messages]
+        data["request"]["extra"] = dict(self.request.extra)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "", path: str | None = None) -> JobSpec:
+        req = dict(data["request"])
+        req["messages"] = tuple(tuple(m) for m in req.get("messages", ()))
+        return cls(
+            provider=ProviderSpec(**data["provider"]),
+            request=RequestSpec(**req),
+            run=RunSpec(**data["run"]),
+            name=data.get("name"),
+            source=source,
+            path=path,
+        )
+
+    def identity_hash(self) -> str:
+        """Hash of everything that decides what is sent (not how fast): job identity."""
+        data = self.to_dict()
+        data.pop("run")
+        data.pop("name")
+        return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+    def with_overrides(self, overrides: Overrides) -> JobSpec:
+        provider = self.provider
+        if overrides.base_url is not None or overrides.model is not None:
+            provider = dataclasses.replace(
+                provider,
+                base_url=overrides.base_url or provider.base_url,
+                model=overrides.model or provider.model,
+            )
+        run = self.run
+        changes = {
+            k: getattr(overrides, k)
+            for k in ("concurrency", "max_attempts", "timeout")
+            if getattr(overrides, k) is not None
+        }
+        if changes:
+            run = dataclasses.replace(run, **changes)
+            _check_run(run, "command line")
+        return dataclasses.replace(self, provider=provider, run=run)
+
+    def user_templates(self) -> tuple[Template | None, tuple[tuple[str, Template], ...]]:
+        """Compiled (system, messages) templates; raises SpecError on bad placeholders."""
+        system = Template.compile(self.request.system, where="[request] system") if self.request.system else None
+        messages: list[tuple[str, Template]] = [
+            (role, Template.compile(content, where=f"[request] messages[{i}]"))
+            for i, (role, content) in enumerate(self.request.messages)
+        ]
+        if self.request.template is not None:
+            messages.append(("user", Template.compile(self.request.template, where="[request] template")))
+        return system, tuple(messages)
+
+
+def load_spec(path: str | Path, overrides: Overrides | None = None) -> JobSpec:
+    """Read and check a TOML job spec; errors name the file, the key and what was expected."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such spec file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read spec: {exc}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path}: not valid TOML: {exc}") from exc
+    spec = parse_spec(data, where=str(path), source=text, path=str(path.resolve()))
+    return spec.with_overrides(overrides) if overrides else spec
+
+
+def spec_for_batch_input(overrides: Overrides) -> JobSpec:
+    """The spec of a job submitted without one: input already in OpenAI Batch form."""
+    if not overrides.base_url:
+        raise SpecError("without a SPEC, --base-url is required (input must be in OpenAI Batch API form)")
+    data: dict[str, Any] = {"provider": {"kind": "openai", "base_url": overrides.base_url}}
+    if overrides.model:
+        data["provider"]["model"] = overrides.model
+    spec = parse_spec(data, where="command line", source=orjson.dumps(data).decode())
+    return spec.with_overrides(overrides)
+
+
+_KNOWN = {
+    "": {"name", "provider", "request", "run"},
+    "provider": {"kind", "base_url", "model", "api_key_env"},
+    "request": {"system", "template", "messages", "max_tokens", "temperature", "extra"},
+    "run": {f.name for f in dataclasses.fields(RunSpec)},
+}
+
+
+def parse_spec(data: Mapping[str, Any], *, where: str, source: str = "", path: str | None = None) -> JobSpec:
+    """Check a parsed spec mapping and build the frozen :class:`JobSpec`."""
+    _check_keys(data, "", where)
+    provider_t = _table(data, "provider", where)
+    request_t = _table(data, "request", where)
+    run_t = _table(data, "run", where)
+    for name, table in (("provider", provider_t), ("request", request_t), ("run", run_t)):
+        _check_keys(table, name, where)
+
+    kind = _get(provider_t, "provider", "kind", str, where, "openai")
+    if kind not in PROVIDER_KINDS:
+        raise SpecError(f"{where}: [provider] kind = {kind!r}: expected one of {', '.join(PROVIDER_KINDS)}")
+    base_url = _get(provider_t, "provider", "base_url", str, where, None)
+    if base_url is not None and not base_url.startswith(("http://", "https://")):
+        raise SpecError(f"{where}: [provider] base_url = {base_url!r}: expected an http:// or https:// URL")
+    provider = ProviderSpec(
+        kind=kind,
+        base_url=base_url.rstrip("/") if base_url else None,
+        model=_get(provider_t, "provider", "model", str, where, None),
+        api_key_env=_get(provider_t, "provider", "api_key_env", str, where, DEFAULT_API_KEY_ENV[kind]),
+    )
+
+    raw_messages = request_t.get("messages", [])
+    if not isinstance(raw_messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in raw_messages
+    ):
+        raise SpecError(f"{where}: [request] messages: expected a list of {{role = \"...\", content = \"...\"}} tables")
+    extra = request_t.get("extra", {})
+    if not isinstance(extra, dict):
+        raise SpecError(f"{where}: [request] extra: expected a table of extra request body fields")
+    max_tokens = _get(request_t, "request", "max_tokens", int, where, None)
+    if max_tokens is not None and max_tokens < 1:
+        raise SpecError(f"{where}: [request] max_tokens = {max_tokens}: expected a positive integer")
+    temperature = _get(request_t, "request", "temperature", float, where, None)
+    request = RequestSpec(
+        system=_get(request_t, "request", "system", str, where, None),
+        template=_get(request_t, "request", "template", str, where, None),
+        messages=tuple((m["role"], m["content"]) for m in raw_messages),
+        max_tokens=max_tokens,
+        temperature=float(temperature) if temperature is not None else None,
+        extra=extra,
+    )
+
+    defaults = RunSpec()
+    run_values: dict[str, Any] = {}
+    for f in dataclasses.fields(RunSpec):
+        default = getattr(defaults, f.name)
+        expected: type = int if isinstance(default, int) else float
+        value = _get(run_t, "run", f.name, expected, where, default)
+        run_values[f.name] = float(value) if expected is float else value
+    run = RunSpec(**run_values)
+    _check_run(run, where)
+
+    name = _get(data, "", "name", str, where, None)
+    spec = JobSpec(provider=provider, request=request, run=run, name=name, source=source, path=path)
+    spec.user_templates()  # compile now so placeholder errors surface at load time
+    return spec
+
+
+def _check_run(run: RunSpec, where: str) -> None:
+    for key in ("concurrency", "max_attempts", "max_line_bytes"):
+        if getattr(run, key) < 1:
+            raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected an integer >= 1")
+    for key in ("timeout", "connect_timeout", "lease_seconds"):
+        if getattr(run, key) <= 0:
+            raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number of seconds > 0")
+    if run.grace_seconds < 0:
+        raise SpecError(f"{where}: [run] grace_seconds = {run.grace_seconds}: expected a number of seconds >= 0")
+
+
+def _table(data: Mapping[str, Any], name: str, where: str) -> Mapping[str, Any]:
+    table = data.get(name, {})
+    if not isinstance(table, Mapping):
+        raise SpecError(f"{where}: [{name}] expected a table, got {type(table).__name__}")
+    return table
+
+
+def _check_keys(table: Mapping[str, Any], section: str, where: str) -> None:
+    unknown = sorted(set(table) - _KNOWN[section])
+    if unknown:
+        label = f"[{section}] " if section else ""
+        raise SpecError(
+            f"{where}: {label}unknown key {unknown[0]!r}; expected one of {', '.join(sorted(_KNOWN[section]))}"
+        )
+
+
+def _get(table: Mapping[str, Any], section: str, key: str, expected: type, where: str, default: Any) -> Any:
+    if key not in table:
+        return default
+    value = table[key]
+    ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        label = f"[{section}] " if section else ""
+        kind = {str: "a string", int: "an integer", float: "a number"}[expected]
+        raise SpecError(f"{where}: {label}{key} = {value!r}: expected {kind}")
+    return value
