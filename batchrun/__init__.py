@@ -1,0 +1,35 @@
+"""batchrun: resumable batch jobs over LLM APIs, with a ledger that never pays twice."""
+
+from __future__ import annotations
+
+from batchrun.errors import (
+    AuthError,
+    BatchrunError,
+    ExportError,
+    InputError,
+    JobLockedError,
+    JobNotFoundError,
+    LedgerError,
+    PermanentError,
+    ProviderError,
+    RateLimitedError,
+    RetryableError,
+    SpecError,
+    UsageError,
+)
+
+__all__ = [
+    "AuthError",
+    "BatchrunError",
+    "ExportError",
+    "InputError",
+    "JobLockedError",
+    "JobNotFoundError",
+    "LedgerError",
+    "PermanentError",
+    "ProviderError",
+    "RateLimitedError",
+    "RetryableError",
+    "SpecError",
+    "UsageError",
+]

@@ -294,7 +294,10 @@ def parse_spec(data: Mapping[str, Any], *, where: str, source: str = "", path: s
 
     name = _get(data, "", "name", str, where, None)
     spec = JobSpec(provider=provider, request=request, run=run, name=name, source=source, path=path)
-    spec.user_templates()  # compile now so placeholder errors surface at load time
+    try:
+        spec.user_templates()  # compile now so placeholder errors surface at load time
+    except SpecError as exc:
+        raise SpecError(f"{where}: {exc.message}") from exc
     return spec
 
 

@@ -1,0 +1,73 @@
+"""Shared fixtures: ledgers on real SQLite files and (when BATCHRUN_TEST_PG is set) real PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from batchrun.ledger import Ledger
+
+PG_URL = os.environ.get("BATCHRUN_TEST_PG")
+
+
+def pg_schema_url(schema: str) -> str:
+    assert PG_URL
+    sep = "&" if "?" in PG_URL else "?"
+    return f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
+    if not PG_URL:
+        pytest.skip("set BATCHRUN_TEST_PG to a PostgreSQL URL to run PostgreSQL tests")
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    try:
+        yield pg_schema_url(schema)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A ledger URL on each backend."""
+    if request.param == "sqlite":
+        return str(tmp_path / "ledger.db")
+    return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+def ledger(db_url: str) -> Iterator[Ledger]:
+    led = Ledger.open(db_url)
+    try:
+        yield led
+    finally:
+        led.close()
+
+
+@pytest.fixture
+def write_jsonl(tmp_path: Path) -> Callable[..., Path]:
+    """Write lines (dicts as JSON, str/bytes as they are) to a file; returns its path."""
+    import orjson
+
+    def write(lines: list[object], name: str = "input.jsonl", *, newline: bytes = b"\n", final_newline: bool = True) -> Path:
+        parts = [
+            line if isinstance(line, bytes) else line.encode() if isinstance(line, str) else orjson.dumps(line)
+            for line in lines
+        ]
+        data = newline.join(parts) + (newline if final_newline and parts else b"")
+        path = tmp_path / name
+        path.write_bytes(data)
+        return path
+
+    return write

@@ -1,0 +1,183 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, text
+
+from batchrun.errors import JobLockedError, JobNotFoundError, LedgerError
+from batchrun.ledger import ItemState, Ledger, Outcome
+from batchrun.ledger.engine import alembic_config, upgrade_to_head
+from batchrun.ledger.models import Base
+from batchrun.spec import Overrides, spec_for_batch_input
+
+SPEC = spec_for_batch_input(Overrides(base_url="http://127.0.0.1:9/v1", model="m"))
+
+
+def make_job(ledger: Ledger, n: int) -> int:
+    job_id = ledger.create_job(SPEC, input_path="in.jsonl", input_hash=f"h{time.time_ns()}")
+    ledger.insert_items(
+        job_id,
+        [{"line": i, "custom_id": f"c{i}", "url": None, "body": "{}", "state": ItemState.PENDING} for i in range(1, n + 1)],
+    )
+    ledger.finish_ingest(job_id)
+    return job_id
+
+
+def test_migration_from_blank_to_head_matches_models(db_url: str) -> None:
+    ledger = Ledger.open(db_url)
+    try:
+        with ledger.engine.connect() as conn:
+            ctx = MigrationContext.configure(conn)
+            assert ctx.get_current_revision() == "0001"
+            assert compare_metadata(ctx, Base.metadata) == []
+            assert {"jobs", "items", "attempts", "runs", "exports"} <= set(inspect(conn).get_table_names())
+        assert upgrade_to_head(ledger.engine) is False  # opening again applies nothing
+    finally:
+        ledger.close()
+
+
+def test_sqlite_pragmas(tmp_path: Path) -> None:
+    with Ledger.open(tmp_path / "l.db") as ledger, ledger.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+
+
+def test_db_upgrade_command_and_alembic_config(tmp_path: Path) -> None:
+    db = tmp_path / "cli.db"
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchrun", "db", "upgrade", "--db", str(db)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "up to date" in proc.stdout
+    engine = create_engine(f"sqlite:///{db}")
+    with engine.connect() as conn:
+        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0001"
+    engine.dispose()
+    assert Path(alembic_config().get_main_option("script_location"), "env.py").is_file()
+
+
+def test_unreachable_ledger_is_a_clear_error() -> None:
+    with pytest.raises(LedgerError, match="cannot open ledger postgresql\\+psycopg://nobody:\\*\\*\\*@127.0.0.1:1/x"):
+        Ledger.open("postgresql+psycopg://nobody:secret@127.0.0.1:1/x")
+
+
+def test_claim_leases_in_order_and_never_twice(ledger: Ledger) -> None:
+    job_id = make_job(ledger, 10)
+    run_a = ledger.start_run(job_id, "test", exclusive=False)
+    run_b = ledger.start_run(job_id, "test", exclusive=False)
+    first = ledger.claim(job_id, run_a, 4, 60)
+    second = ledger.claim(job_id, run_b, 100, 60)
+    assert [c.custom_id for c in first] == ["c1", "c2", "c3", "c4"]
+    assert [c.custom_id for c in second] == [f"c{i}" for i in range(5, 11)]
+    assert ledger.claim(job_id, run_a, 10, 60) == []
+    assert ledger.counts(job_id)[ItemState.RUNNING] == 10
+
+
+def test_outcomes_only_land_on_items_the_run_holds(ledger: Ledger) -> None:
+    job_id = make_job(ledger, 3)
+    run_a = ledger.start_run(job_id, "test", exclusive=False)
+    claimed = ledger.claim(job_id, run_a, 3, 60)
+    ledger.record(
+        "someone-else", [Outcome(claimed[0].id, ItemState.SUCCEEDED, 1, status_code=200, output="x")], []
+    )
+    assert ledger.counts(job_id)[ItemState.SUCCEEDED] == 0
+    ledger.record(
+        run_a,
+        [
+            Outcome(claimed[0].id, ItemState.SUCCEEDED, 1, status_code=200, output="x", latency_ms=5.0, input_tokens=3, output_tokens=4),
+            Outcome(claimed[1].id, ItemState.FAILED, 2, status_code=400, error_class="client_error", error_message="bad"),
+            Outcome(claimed[2].id, ItemState.PENDING, 1, error_class="server_error"),
+        ],
+        [],
+    )
+    counts = ledger.counts(job_id)
+    assert (counts["succeeded"], counts["failed"], counts["pending"], counts["running"]) == (1, 1, 1, 0)
+    rows = {r.custom_id: r for r in ledger.iter_items(job_id)}
+    assert rows["c1"].output == "x" and rows["c1"].input_tokens == 3
+    assert rows["c3"].attempts == 1  # the attempt count survives going back to pending
+    # A second record of the same success is ignored: the lease is gone.
+    ledger.record(run_a, [Outcome(claimed[0].id, ItemState.FAILED, 9)], [])
+    assert {r.custom_id: r.state for r in ledger.iter_items(job_id)}["c1"] == ItemState.SUCCEEDED
+
+
+def test_exclusive_lock_names_the_holder_and_dead_holders_do_not_block(ledger: Ledger) -> None:
+    job_id = make_job(ledger, 1)
+    run_a = ledger.start_run(job_id, "submit", exclusive=True)
+    with pytest.raises(JobLockedError) as info:
+        ledger.start_run(job_id, "resume", exclusive=True)
+    assert f"pid {os.getpid()}" in info.value.message and run_a in info.value.message
+    assert info.value.exit_code == 75
+    ledger.end_run(job_id, run_a, 0)
+    run_b = ledger.start_run(job_id, "resume", exclusive=True)
+    # Pretend run_b's process died: a dead pid on this host frees the lock at once.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with ledger.engine.begin() as conn:
+        conn.execute(text("update jobs set lock_pid = :pid where id = :id"), {"pid": dead.pid, "id": job_id})
+    run_c = ledger.start_run(job_id, "resume", exclusive=True)
+    assert run_c not in (run_a, run_b)
+    # A holder on another host is trusted until its heartbeat goes stale.
+    with ledger.engine.begin() as conn:
+        conn.execute(text("update jobs set lock_host = 'elsewhere', lock_heartbeat = :t where id = :id"), {"t": time.time(), "id": job_id})
+    with pytest.raises(JobLockedError, match="on elsewhere"):
+        ledger.start_run(job_id, "resume", exclusive=True)
+    with ledger.engine.begin() as conn:
+        conn.execute(text("update jobs set lock_heartbeat = :t where id = :id"), {"t": time.time() - 3600, "id": job_id})
+    ledger.start_run(job_id, "resume", exclusive=True)
+
+
+def test_orphans_and_expired_leases_go_back_to_pending(ledger: Ledger) -> None:
+    job_id = make_job(ledger, 4)
+    dead_run = ledger.start_run(job_id, "submit", exclusive=False)
+    ledger.claim(job_id, dead_run, 2, 0.001)
+    time.sleep(0.01)
+    assert ledger.requeue_expired(job_id) == 2
+    ledger.claim(job_id, dead_run, 3, 600)
+    assert ledger.requeue_expired(job_id) == 0
+    me = ledger.start_run(job_id, "resume", exclusive=True)
+    assert ledger.requeue_orphans(job_id, me) == 3
+    assert ledger.counts(job_id)[ItemState.PENDING] == 4
+
+
+def test_heartbeat_extends_leases(ledger: Ledger) -> None:
+    job_id = make_job(ledger, 2)
+    run = ledger.start_run(job_id, "submit", exclusive=True)
+    ledger.claim(job_id, run, 2, 0.001)
+    ledger.heartbeat(job_id, run, 600)
+    time.sleep(0.01)
+    assert ledger.requeue_expired(job_id) == 0
+
+
+def test_retry_and_cancel(ledger: Ledger) -> None:
+    job_id = make_job(ledger, 4)
+    run = ledger.start_run(job_id, "submit", exclusive=True)
+    c = ledger.claim(job_id, run, 3, 60)
+    ledger.record(
+        run,
+        [
+            Outcome(c[0].id, ItemState.FAILED, 5, status_code=500, error_class="server_error", error_message="boom"),
+            Outcome(c[1].id, ItemState.FAILED, 1, status_code=400, error_class="client_error", error_message="bad"),
+            Outcome(c[2].id, ItemState.SUCCEEDED, 1, status_code=200),
+        ],
+        [],
+    )
+    assert ledger.retry(job_id, [ItemState.FAILED], {"error_class": "server_error"}) == 1
+    rows = {r.custom_id: r for r in ledger.iter_items(job_id)}
+    assert rows["c1"].state == ItemState.PENDING and rows["c1"].attempts == 0 and rows["c1"].error_class is None
+    assert rows["c2"].state == ItemState.FAILED
+    assert ledger.cancel(job_id) == 2  # c1 (pending again) and c4
+    assert ledger.counts(job_id)[ItemState.CANCELLED] == 2
+    assert ledger.counts(job_id)[ItemState.SUCCEEDED] == 1
+
+
+def test_unknown_job(ledger: Ledger) -> None:
+    with pytest.raises(JobNotFoundError, match="no job 999"):
+        ledger.get_job(999)
