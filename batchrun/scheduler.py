@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 from tenacity.wait import wait_base
 
 from batchrun.errors import AuthError, PermanentError, ProviderError, RateLimitedError, RetryableError
@@ -141,6 +141,12 @@ class JobRunner:
         self._writer_done = False
         self._rng = random.Random()
         self.controller = AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency)
+        self._crash: BaseException | None = None
+        self._wait = _WaitRetryAfter(
+            wait_exponential(multiplier=self.options.backoff_initial, max=self.options.backoff_max)
+            + wait_random(0, self.options.backoff_initial),
+            self._rng,
+        )
 
     # -- control ------------------------------------------------------------
 
@@ -190,6 +196,8 @@ class JobRunner:
                     self._client = None
         finally:
             self._db.shutdown(wait=True)
+        if self._crash is not None:
+            raise self._crash
         return RunResult(self.run_id, self._stop_reason, self._stop_message)
 
     async def _dispatch(self, writer: asyncio.Task[None]) -> None:
@@ -237,9 +245,7 @@ class JobRunner:
     async def _work(self, work: _ItemWork) -> None:
         retrying = AsyncRetrying(
             stop=lambda state: self._budget_spent(work),
-            wait=_WaitRetryAfter(
-                wait_exponential_jitter(initial=self.options.backoff_initial, max=self.options.backoff_max), self._rng
-            ),
+            wait=self._wait,
             retry=retry_if_exception_type(RetryableError),
             sleep=self._interruptible_sleep,
             reraise=True,
@@ -258,6 +264,10 @@ class JobRunner:
         except asyncio.CancelledError:
             self._put_back(work)
             raise
+        except Exception as exc:  # a bug or a broken environment: stop the run with it
+            self._put_back(work)
+            self._crash = self._crash or exc
+            self.request_stop("error", f"internal error: {type(exc).__name__}: {exc}")
         else:
             self._finish(work, ItemState.SUCCEEDED, reply=reply)
 

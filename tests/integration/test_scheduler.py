@@ -1,0 +1,246 @@
+"""The worker pool against the real fault-injecting server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+from sqlalchemy import event
+
+from batchrun.jobs import EXIT_AUTH, EXIT_OK, EXIT_SOME_FAILED, EXIT_TEMPFAIL, RunSummary, prepare_job, run_job
+from batchrun.ledger import ItemState, Ledger
+from batchrun.scheduler import JobRunner, RunOptions
+from batchrun.spec import Overrides, spec_for_batch_input
+from batchrun.testing import FakeOpenAIServer, Faults
+
+FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
+
+
+@pytest.fixture
+def server() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer(Faults(seed=1)) as srv:
+        yield srv
+
+
+def batch_lines(n: int, prefix: str = "k") -> list[dict[str, object]]:
+    return [
+        {
+            "custom_id": f"{prefix}{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": f"{prefix}{i}"}]},
+        }
+        for i in range(n)
+    ]
+
+
+def submit(ledger: Ledger, server: FakeOpenAIServer, path: Path, **over: object) -> int:
+    spec = spec_for_batch_input(Overrides(base_url=server.base_url, **over))  # type: ignore[arg-type]
+    return prepare_job(ledger, spec, path).job_id
+
+
+def run(ledger: Ledger, job_id: int, options: RunOptions = FAST, **over: object) -> RunSummary:
+    return asyncio.run(run_job(ledger, job_id, overrides=Overrides(**over), options=options))  # type: ignore[arg-type]
+
+
+def outputs(ledger: Ledger, job_id: int) -> dict[str, str | None]:
+    return {r.custom_id: r.output for r in ledger.iter_items(job_id)}
+
+
+def test_clean_run_every_item_once(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+    server.faults = Faults(latency_s=0.005)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(300)), concurrency=32)
+    summary = run(ledger, job_id)
+    assert summary.exit_code == EXIT_OK
+    assert summary.counts[ItemState.SUCCEEDED] == 300
+    assert outputs(ledger, job_id) == {f"k{i}": f"echo: k{i}" for i in range(300)}
+    assert set(server.requests_by_key().values()) == {1}
+    rows = list(ledger.iter_items(job_id))
+    assert all(r.input_tokens and r.output_tokens and r.latency_ms for r in rows)
+    assert {r.request_id for r in rows} == {f"req_{rec.seq}" for rec in server.log}
+
+
+def test_faults_are_retried_and_nothing_is_paid_twice(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.faults = Faults(
+        latency_s=0.002, p_429=0.05, retry_after_s=0.05, p_500=0.05, p_503=0.03, p_reset=0.03,
+        p_bad_body=0.03, p_truncated=0.03, p_hang=0.01, seed=7,
+    )
+    job_id = submit(ledger, server, write_jsonl(batch_lines(400)), concurrency=24, max_attempts=10, timeout=0.5)
+    summary = run(ledger, job_id)
+    assert summary.exit_code == EXIT_OK, summary.counts
+    assert outputs(ledger, job_id) == {f"k{i}": f"echo: k{i}" for i in range(400)}
+    assert max(server.ok_by_key().values()) == 1  # no item got two clean answers
+    outcomes = {rec.outcome for rec in server.log}
+    assert {"429", "500", "503", "reset", "bad_body", "truncated", "hang"} <= outcomes
+    with ledger.engine.connect() as conn:
+        classes = dict(conn.exec_driver_sql(
+            "select error_class, count(*) from attempts where error_class is not null group by error_class"
+        ).all())
+    assert {"rate_limited", "server_error", "connection", "bad_response", "truncated_body", "timeout"} <= set(classes)
+    assert sum(classes.values()) + 400 == len(server.log)  # every request is an attempt row
+
+
+def test_permanent_error_fails_at_once(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+    server.faults = Faults(status_override=400)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(5)))
+    summary = run(ledger, job_id)
+    assert summary.exit_code == EXIT_SOME_FAILED
+    rows = list(ledger.iter_items(job_id))
+    assert {(r.state, r.error_class, r.status_code, r.attempts) for r in rows} == {("failed", "client_error", 400, 1)}
+    assert len(server.log) == 5
+    assert "HTTP 400" in (rows[0].error_message or "")
+    assert orjson.loads(rows[0].response or "null")["error"]["type"]
+
+
+def test_retries_exhausted(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+    server.faults = Faults(status_override=500)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(3)), max_attempts=3)
+    summary = run(ledger, job_id)
+    assert summary.exit_code == EXIT_SOME_FAILED
+    assert {(r.state, r.error_class, r.attempts) for r in ledger.iter_items(job_id)} == {("failed", "server_error", 3)}
+    assert server.requests_by_key() == {"k0": 3, "k1": 3, "k2": 3}
+
+
+def test_auth_error_stops_the_run_after_a_few_requests(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.faults = Faults(status_override=401)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(500)), concurrency=64)
+    summary = run(ledger, job_id)
+    assert summary.exit_code == EXIT_AUTH
+    assert summary.result.stop_reason == "auth"
+    assert len(server.log) <= 4  # slow start: a wrong key costs a handful of requests
+    assert summary.counts[ItemState.PENDING] == 500
+    assert {r.attempts for r in ledger.iter_items(job_id)} == {0}
+
+
+def test_retry_after_pauses_all_dispatch(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+    server.faults = Faults(latency_s=0.01)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(80)), concurrency=8)
+
+    def burst_of_429s() -> None:
+        deadline = time.monotonic() + 20
+        while len(server.log) < 20 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        server.faults = Faults(latency_s=0.01, p_429=1.0, retry_after_s=0.6)
+        while not any(r.status == 429 for r in server.log) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        server.faults = Faults(latency_s=0.01)
+
+    flipper = threading.Thread(target=burst_of_429s)
+    flipper.start()
+    summary = run(ledger, job_id)
+    flipper.join()
+    assert summary.exit_code == EXIT_OK
+    log = sorted(server.log, key=lambda r: r.received_at)
+    first_429 = next(r for r in log if r.status == 429)
+    during_pause = [r for r in log if first_429.received_at + 0.05 < r.received_at < first_429.received_at + 0.55]
+    assert during_pause == []
+    assert sum(r.status == 429 for r in log) <= 8  # at most the window in flight, not a storm
+    assert set(server.ok_by_key().values()) == {1}
+
+
+def test_attempt_count_holds_across_runs(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+    server.faults = Faults(status_override=500)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(1)), max_attempts=4)
+
+    async def stop_after_first_request() -> RunSummary:
+        started: list[JobRunner] = []
+        task = asyncio.create_task(
+            run_job(ledger, job_id, options=RunOptions(backoff_initial=0.5, backoff_max=0.5), on_start=started.append)
+        )
+        while not server.log:
+            await asyncio.sleep(0.01)
+        started[0].request_stop("signal")
+        return await task
+
+    first = asyncio.run(stop_after_first_request())
+    assert first.exit_code == EXIT_TEMPFAIL
+    assert [r.attempts for r in ledger.iter_items(job_id)] == [1]
+    second = run(ledger, job_id)
+    assert second.exit_code == EXIT_SOME_FAILED
+    assert server.requests_by_key()["k0"] == 4
+
+
+def test_stop_puts_unsent_items_back_and_resume_finishes(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.faults = Faults(latency_s=0.05)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(200)), concurrency=8)
+
+    async def stop_midway() -> RunSummary:
+        started: list[JobRunner] = []
+        task = asyncio.create_task(run_job(ledger, job_id, options=FAST, on_start=started.append))
+        while len(server.log) < 40:
+            await asyncio.sleep(0.01)
+        started[0].request_stop("signal")
+        return await task
+
+    first = asyncio.run(stop_midway())
+    assert first.exit_code == EXIT_TEMPFAIL
+    assert first.counts[ItemState.RUNNING] == 0
+    done = first.counts[ItemState.SUCCEEDED]
+    assert 40 <= done < 200
+    assert done == len(server.log)  # in-flight requests were allowed to finish and were kept
+    second = run(ledger, job_id)
+    assert second.exit_code == EXIT_OK
+    assert set(server.requests_by_key().values()) == {1}
+
+
+def test_outcomes_are_committed_in_batches(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+    job_id = submit(ledger, server, write_jsonl(batch_lines(600)), concurrency=64)
+    commits = 0
+    lock = threading.Lock()
+
+    def count(_conn: object) -> None:
+        nonlocal commits
+        with lock:
+            commits += 1
+
+    event.listen(ledger.engine, "commit", count)
+    try:
+        summary = run(ledger, job_id, options=RunOptions(flush_interval=0.2))
+    finally:
+        event.remove(ledger.engine, "commit", count)
+    assert summary.exit_code == EXIT_OK
+    assert commits < 60, commits  # claims + batched outcome writes, never one per item
+
+
+def test_a_second_runner_on_the_same_job_is_refused(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+    from batchrun.errors import JobLockedError
+
+    server.faults = Faults(latency_s=0.05)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(50)), concurrency=2)
+
+    async def both() -> tuple[RunSummary, BaseException | None]:
+        first = asyncio.create_task(run_job(ledger, job_id, options=FAST))
+        while not server.log:
+            await asyncio.sleep(0.01)
+        try:
+            await run_job(ledger, job_id, options=FAST)
+            err = None
+        except JobLockedError as exc:
+            err = exc
+        return await first, err
+
+    summary, err = asyncio.run(both())
+    assert isinstance(err, JobLockedError) and "is being worked by run" in str(err)
+    assert summary.exit_code == EXIT_OK
+    assert set(server.requests_by_key().values()) == {1}
+
+
+def test_model_override_and_base_url_forms(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+    bare = server.base_url.removesuffix("/v1")
+    spec = spec_for_batch_input(Overrides(base_url=bare, model="override-model"))
+    job_id = prepare_job(ledger, spec, write_jsonl(batch_lines(3))).job_id
+    assert run(ledger, job_id).exit_code == EXIT_OK
+    assert {rec.path for rec in server.log} == {"/v1/chat/completions"}
+    rows = list(ledger.iter_items(job_id))
+    assert {orjson.loads(r.response or "{}")["model"] for r in rows} == {"override-model"}
