@@ -13,13 +13,18 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import deque
 
 DEFAULT_PAUSE_S = 1.0
 DECREASE_EVERY_S = 1.0
 
 
 class AdaptiveConcurrency:
-    """A semaphore whose size adapts to how the provider answers."""
+    """A semaphore whose size adapts to how the provider answers.
+
+    :meth:`release` is synchronous so a slot can be handed back from anywhere,
+    e.g. by the ledger writer once a result is committed.
+    """
 
     def __init__(self, limit: int, *, initial: int = 4, seed: int | None = None) -> None:
         self.limit = limit
@@ -29,7 +34,7 @@ class AdaptiveConcurrency:
         self.paused_until = 0.0
         self.rate_limited = 0
         self._last_decrease = 0.0
-        self._cond = asyncio.Condition()
+        self._waiters: deque[asyncio.Future[None]] = deque()
         self._rng = random.Random(seed)
 
     @property
@@ -39,37 +44,46 @@ class AdaptiveConcurrency:
     def paused_for(self) -> float:
         return max(0.0, self.paused_until - time.monotonic())
 
-    async def acquire(self) -> float:
-        """Wait for a slot; return the seconds spent waiting."""
-        started = time.monotonic()
-        async with self._cond:
-            while True:
-                delay = self.paused_until - time.monotonic()
-                if delay > 0:
-                    # Spread the wake-ups so a pause does not end in one burst.
-                    jitter = self._rng.uniform(0.0, min(0.5, 0.1 + delay * 0.1))
-                    try:
-                        await asyncio.wait_for(self._cond.wait(), delay + jitter)
-                    except TimeoutError:
-                        pass
-                    continue
-                if self.in_flight < self.allowed:
-                    self.in_flight += 1
-                    return time.monotonic() - started
-                await self._cond.wait()
+    async def acquire(self) -> None:
+        """Wait for a slot (and for any pause to end)."""
+        while True:
+            delay = self.paused_until - time.monotonic()
+            if delay > 0:
+                # Spread the wake-ups so a pause does not end in one burst.
+                await asyncio.sleep(delay + self._rng.uniform(0.0, min(0.5, 0.1 + delay * 0.1)))
+                continue
+            if self.in_flight < self.allowed:
+                self.in_flight += 1
+                return
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                elif waiter.done() and not waiter.cancelled():
+                    self._wake()  # pass the wake-up on
+                raise
 
-    async def release(self) -> None:
-        async with self._cond:
-            self.in_flight -= 1
-            free = self.allowed - self.in_flight
-            if free > 0:
-                self._cond.notify(free)
+    def release(self, n: int = 1) -> None:
+        self.in_flight -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        free = self.allowed - self.in_flight
+        while free > 0 and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                free -= 1
 
     def on_success(self) -> None:
         if self.window < self.threshold:
             self.window = min(float(self.limit), self.window + 1.0)
         else:
             self.window = min(float(self.limit), self.window + 1.0 / self.window)
+        self._wake()
 
     def on_rate_limited(self, retry_after: float | None) -> None:
         """A 429: halve the window (once per burst) and pause everyone."""

@@ -53,7 +53,7 @@ class RunOptions:
     exclusive: bool = True
     transport: str = "aiohttp"
     initial_concurrency: int = 4
-    flush_interval: float = 0.25
+    flush_interval: float = 0.1
     flush_count: int = 500
     heartbeat_interval: float = 10.0
     backoff_initial: float = 0.5
@@ -142,6 +142,9 @@ class JobRunner:
         self._rng = random.Random()
         self.controller = AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency)
         self._crash: BaseException | None = None
+        self._held_slots = 0
+        # Flush often enough that slots held by committed-to-be answers come back quickly.
+        self._flush_count = max(8, min(self.options.flush_count, spec.run.concurrency // 2))
         self._wait = _WaitRetryAfter(
             wait_exponential(multiplier=self.options.backoff_initial, max=self.options.backoff_max)
             + wait_random(0, self.options.backoff_initial),
@@ -288,7 +291,7 @@ class JobRunner:
             raise _Stopped
         await self.controller.acquire()
         if self.stopping:
-            await self.controller.release()
+            self.controller.release()
             raise _Stopped
         queue_wait_ms = (time.monotonic() - work.ready_at) * 1000.0
         started = time.time()
@@ -302,9 +305,15 @@ class JobRunner:
             reply = await send(self._http(), self.provider, request, total_timeout=self.spec.run.timeout)
         except ProviderError as exc:
             error = exc
+        except BaseException:
+            self.controller.release()
+            raise
         finally:
             self.stats.in_flight -= 1
-            await self.controller.release()
+        if error is not None:
+            self.controller.release()
+        # else: a clean answer keeps its slot until the writer has committed it, so
+        # answers paid for but not yet in the ledger never exceed the concurrency.
         latency_ms = (time.perf_counter() - t0) * 1000.0
         if isinstance(error, RateLimitedError):
             work.rate_limited += 1
@@ -379,11 +388,13 @@ class JobRunner:
                 finished_at=now,
             )
         self._outcomes.append(outcome)
+        if reply is not None:
+            self._held_slots += 1
         self.stats.done[state] += 1
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:
-        if len(self._outcomes) >= self.options.flush_count:
+        if len(self._outcomes) >= self._flush_count:
             self._flush_now.set()
 
     async def _writer(self) -> None:
@@ -398,8 +409,11 @@ class JobRunner:
             self.stats.paused_for = self.controller.paused_for()
             outcomes, self._outcomes = self._outcomes, []
             attempts, self._attempts = self._attempts, []
+            held, self._held_slots = self._held_slots, 0
             if outcomes or attempts:
                 await self._ledger(self.ledger.record, self.run_id, outcomes, attempts)
+            if held:
+                self.controller.release(held)
             if time.monotonic() - last_beat >= self.options.heartbeat_interval:
                 await self._ledger(self.ledger.heartbeat, self.job.id, self.run_id, self.spec.run.lease_seconds)
                 last_beat = time.monotonic()

@@ -1,0 +1,41 @@
+"""Helpers for running the real ``batchrun`` command as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from batchrun.testing import FakeOpenAIServer, Faults
+
+
+def batchrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "batchrun", *args]
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHRUN_")}
+    env["HOME"] = str(tmp_path / "home")  # the default ledger location lands here, never in the real home
+    env.pop("XDG_DATA_HOME", None)
+    env["OPENAI_API_KEY"] = "sk-test-not-a-real-key"
+    return env
+
+
+def run_cli(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(batchrun_cmd(*args), capture_output=True, text=True, env=cli_env(tmp_path), timeout=timeout)
+
+
+def start_cli(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        batchrun_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(tmp_path)
+    )
+
+
+@pytest.fixture
+def server() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer(Faults(seed=3)) as srv:
+        yield srv
