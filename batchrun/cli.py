@@ -14,18 +14,24 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import orjson
 
-from batchrun import jobs
 from batchrun.errors import BatchrunError, UsageError
 from batchrun.export import FORMATS, check_target, export_job
 from batchrun.ledger import ItemState, Ledger, default_db_path
 from batchrun.report import job_status
-from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides, load_spec, spec_for_batch_input
+
+if TYPE_CHECKING:
+    from batchrun.jobs import RunSummary
+    from batchrun.scheduler import JobRunner
+
+# Exit codes (DESIGN.md). The run machinery (httpx, aiohttp, tenacity) is imported
+# only by the commands that send requests, so status/list/export start fast.
+EXIT_OK, EXIT_SOME_FAILED, EXIT_TEMPFAIL = 0, 1, 75
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -119,14 +125,16 @@ def _work(
     command: str,
     transport: str,
     quiet: bool,
-) -> jobs.RunSummary:
+) -> RunSummary:
     """Run a job with signal handling and the progress display; the only asyncio.run."""
+    from batchrun.jobs import run_job
     from batchrun.progress import show_progress
+    from batchrun.scheduler import RunOptions
 
     counts = ledger.counts(job_id)
     todo = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
 
-    async def go() -> jobs.RunSummary:
+    async def go() -> RunSummary:
         progress: asyncio.Task[None] | None = None
 
         def started(runner: JobRunner) -> None:
@@ -135,7 +143,7 @@ def _work(
                 progress = asyncio.create_task(show_progress(runner, todo))
 
         try:
-            return await jobs.run_job(
+            return await run_job(
                 ledger,
                 job_id,
                 overrides=overrides,
@@ -154,7 +162,7 @@ def _work(
 
 def _finish(
     ledger: Ledger,
-    summary: jobs.RunSummary,
+    summary: RunSummary,
     *,
     output: str | None,
     fmt: str,
@@ -163,7 +171,7 @@ def _finish(
     as_json: bool,
 ) -> None:
     exported = None
-    if output and summary.exit_code in (jobs.EXIT_OK, jobs.EXIT_SOME_FAILED):
+    if output and summary.exit_code in (EXIT_OK, EXIT_SOME_FAILED):
         exported = export_job(ledger, summary.job_id, output, fmt=fmt, errors=errors, force=force)
     counts = summary.counts
     if as_json:
@@ -188,7 +196,7 @@ def _finish(
                 click.echo(f"errors: {exported.errors_path} ({exported.error_lines} lines)")
     if summary.result.stop_message:
         click.echo(f"batchrun: {summary.result.stop_message}", err=True)
-    if summary.exit_code == jobs.EXIT_TEMPFAIL:
+    if summary.exit_code == EXIT_TEMPFAIL:
         click.echo(f"batchrun: job {summary.job_id} has work left; carry on with: batchrun resume {summary.job_id}", err=True)
     sys.exit(summary.exit_code)
 
@@ -219,10 +227,12 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
       batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --output out.jsonl
       batchrun submit --input batch.jsonl --base-url http://127.0.0.1:8000/v1 --model gpt-4o-mini
     """
+    from batchrun.jobs import prepare_job
+
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
     with _open(db) as ledger:
-        prepared = jobs.prepare_job(ledger, job_spec, input_path, new=new, strict=strict)
+        prepared = prepare_job(ledger, job_spec, input_path, new=new, strict=strict)
         if output:
             check_target(ledger, prepared.job_id, Path(output).absolute(), force=force)
         if not as_json:
@@ -426,7 +436,7 @@ def demo(db: str | None) -> None:
         click.echo(f"batchrun: demo endpoint {server.base_url}, ledger {ledger.url}", err=True)
         summary = _work(ledger, job_id, overrides=Overrides(), command="demo", transport="aiohttp", quiet=False)
         db_hint = "" if db is None else f" --db {db}"
-        if summary.exit_code in (jobs.EXIT_OK, jobs.EXIT_SOME_FAILED):
+        if summary.exit_code in (EXIT_OK, EXIT_SOME_FAILED):
             exported = export_job(ledger, job_id, output)
             click.echo(f"output: {exported.path} ({exported.lines} lines)")
         click.echo(" ".join(f"{k}={v}" for k, v in summary.counts.items() if v))

@@ -70,24 +70,26 @@ class Faults:
     intervals (``u < p_429`` -> 429, ``u < p_429 + p_500`` -> 500, ...), so each ``p_*`` is
     the marginal probability of that fault; their sum should not exceed 1. Deterministic
     faults are applied first: ``status_override``, then the 429 burst window, then
-    ``rpm_limit``.
+    ``rpm_limit``. Retry-After is whole seconds rounded up, plus ``retry-after-ms`` when
+    the wait is fractional; burst 429s advertise the rest of the burst and rpm 429s the
+    time until a slot frees.
     """
 
-    latency_s: float = 0.0
-    latency_jitter_s: float = 0.0
-    p_429: float = 0.0
-    retry_after_s: float | None = 1.0
+    latency_s: float = 0.0  # added before answering (asyncio.sleep)
+    latency_jitter_s: float = 0.0  # uniform extra 0..jitter
+    p_429: float = 0.0  # 429 with an OpenAI error body
+    retry_after_s: float | None = 1.0  # Retry-After on random 429s; None -> no header
     p_500: float = 0.0
     p_503: float = 0.0
-    p_reset: float = 0.0
-    p_hang: float = 0.0
-    p_bad_body: float = 0.0
-    p_truncated: float = 0.0
-    status_override: int | None = None
-    burst_429_period_s: float = 0.0
-    burst_429_duration_s: float = 0.0
-    rpm_limit: int | None = None
-    seed: int | None = None
+    p_reset: float = 0.0  # read the request, then drop the connection with a TCP RST
+    p_hang: float = 0.0  # read the request, never answer
+    p_bad_body: float = 0.0  # 200 whose (correctly framed) body is not valid JSON
+    p_truncated: float = 0.0  # 200 whose body stops halfway, then the connection closes
+    status_override: int | None = None  # answer every chat request with this status
+    burst_429_period_s: float = 0.0  # > 0: each period (from server start) begins with...
+    burst_429_duration_s: float = 0.0  # ...this many seconds of 429s for every request
+    rpm_limit: int | None = None  # accepted requests per sliding 60 s window
+    seed: int | None = None  # random.Random(seed); changing it while running reseeds
 
 
 @dataclass(frozen=True)
@@ -486,6 +488,8 @@ class FakeOpenAIServer:
         extra = b""
         prompt_tokens = 0
         err_msg: str | None = None
+        outcome: str
+        status: int | None
         if method != "POST" or path not in _CHAT_PATHS:
             outcome, status = "not_found", 404
             err_msg = f"Invalid URL ({method} {path})"
@@ -572,6 +576,7 @@ class FakeOpenAIServer:
             assert status is not None
             body = _error_body(status, err_msg)
             record(outcome, status)
+        assert status is not None
         writer.write(_head(status, len(body), req_id, keep, extra) + body)
         await writer.drain()
         return keep

@@ -13,7 +13,7 @@ from sqlalchemy import create_engine, inspect, text
 
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerError
 from batchrun.ledger import ItemState, Ledger, Outcome
-from batchrun.ledger.engine import alembic_config, upgrade_to_head
+from batchrun.ledger.engine import SCHEMA_HEAD, alembic_config, upgrade_to_head
 from batchrun.ledger.models import Base
 from batchrun.spec import Overrides, spec_for_batch_input
 
@@ -41,6 +41,12 @@ def test_migration_from_blank_to_head_matches_models(db_url: str) -> None:
         assert upgrade_to_head(ledger.engine) is False  # opening again applies nothing
     finally:
         ledger.close()
+
+
+def test_schema_head_constant_matches_the_migrations() -> None:
+    from alembic.script import ScriptDirectory
+
+    assert ScriptDirectory.from_config(alembic_config()).get_current_head() == SCHEMA_HEAD
 
 
 def test_sqlite_pragmas(tmp_path: Path) -> None:

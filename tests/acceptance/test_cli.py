@@ -1,0 +1,237 @@
+"""The command line as a user meets it: exit codes, messages, no tracebacks."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from batchrun.testing import FakeOpenAIServer, Faults
+
+from .conftest import run_cli, start_cli
+
+SPEC = """
+name = "cli-test"
+[provider]
+base_url = "{base_url}"
+model = "m"
+[request]
+template = "Say {{text}}"
+max_tokens = 50
+[run]
+concurrency = 4
+"""
+
+
+def write_spec(tmp_path: Path, server: FakeOpenAIServer, text: str = SPEC) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text.format(base_url=server.base_url))
+    return path
+
+
+def write_records(tmp_path: Path, n: int, extra: list[bytes] | None = None) -> Path:
+    path = tmp_path / "records.jsonl"
+    lines = [orjson.dumps({"id": f"r{i}", "text": f"hello {i}"}) for i in range(n)] + (extra or [])
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_submit_status_list_export(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 20, [b"{broken"]), tmp_path / "l.db"
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--output", str(out), "--errors", str(errors))
+    assert proc.returncode == 1, proc.stderr  # one rejected line
+    assert proc.stdout.splitlines()[0] == "1"
+    assert f"{records}:21: not valid JSON" in proc.stderr
+    lines = [orjson.loads(x) for x in out.read_bytes().splitlines()]
+    assert len(lines) == 21
+    assert lines[0] == {
+        "custom_id": "r0", "status": "succeeded", "output": "echo: Say hello 0",
+        "usage": {"input_tokens": lines[0]["usage"]["input_tokens"], "output_tokens": lines[0]["usage"]["output_tokens"]},
+        "attempts": 1, "latency_ms": lines[0]["latency_ms"], "error": None,
+    }
+    assert lines[20]["status"] == "rejected" and lines[20]["error"]["line"] == 21
+    err_lines = [orjson.loads(x) for x in errors.read_bytes().splitlines()]
+    assert [(e["custom_id"], e["line"], e["error_class"]) for e in err_lines] == [("21", 21, "invalid_json")]
+
+    status = run_cli(tmp_path, "status", "1", "--db", str(db), "--json")
+    data = orjson.loads(status.stdout)
+    assert data["job_id"] == 1 and data["total"] == 21
+    assert data["counts"] == {"pending": 0, "running": 0, "succeeded": 20, "failed": 0, "invalid_output": 0, "rejected": 1, "cancelled": 0}
+    assert data["requests"] == 20 == len(server.log)
+    assert data["tokens"]["input"] == sum(r.prompt_tokens for r in server.log)
+    assert data["tokens"]["output"] == sum(r.completion_tokens for r in server.log)
+    assert data["latency_ms"]["p50"] > 0
+
+    text = run_cli(tmp_path, "status", "--db", str(db))
+    assert "succeeded 20" in text.stdout and "p50" in text.stdout
+
+    listed = orjson.loads(run_cli(tmp_path, "list", "--json", "--db", str(db)).stdout)
+    assert [(j["job_id"], j["name"], j["total"]) for j in listed] == [(1, "cli-test", 21)]
+
+    batch = tmp_path / "batch.jsonl"
+    assert run_cli(tmp_path, "export", "1", "--db", str(db), "--output", str(batch), "--format", "openai-batch").returncode == 0
+    first = orjson.loads(batch.read_bytes().splitlines()[0])
+    assert first["custom_id"] == "r0" and first["error"] is None
+    assert first["response"]["status_code"] == 200
+    assert first["response"]["body"]["choices"][0]["message"]["content"] == "echo: Say hello 0"
+    last = orjson.loads(batch.read_bytes().splitlines()[-1])
+    assert last["response"] is None and last["error"]["code"] == "invalid_json"
+
+
+def test_resubmit_is_idempotent(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 10), tmp_path / "l.db"
+    first = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--json")
+    assert first.returncode == 0, first.stderr
+    data = orjson.loads(first.stdout)
+    assert data["job_id"] == 1 and data["total"] == 10 and data["counts"]["succeeded"] == 10
+    again = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db))
+    assert again.returncode == 0 and again.stdout.splitlines()[0] == "1"
+    assert "carrying on job 1" in again.stderr
+    assert len(server.log) == 10  # nothing was sent twice
+    forced = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--new")
+    assert forced.stdout.splitlines()[0] == "2" and len(server.log) == 20
+
+
+def test_export_never_clobbers_a_foreign_file(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 3), tmp_path / "l.db"
+    out = tmp_path / "precious.jsonl"
+    out.write_text("my own data\n")
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--output", str(out))
+    assert proc.returncode == 2 and "already exists and is not an earlier export of job 1" in proc.stderr
+    assert out.read_text() == "my own data\n"
+    assert len(server.log) == 0  # refused before anything was sent
+    mine = tmp_path / "mine.jsonl"
+    assert run_cli(tmp_path, "export", "1", "--db", str(db), "--output", str(mine)).returncode == 0
+    # This job's own earlier export may be replaced; a foreign file needs --force.
+    assert run_cli(tmp_path, "export", "1", "--db", str(db), "--output", str(mine)).returncode == 0
+    refused = run_cli(tmp_path, "export", "1", "--db", str(db), "--output", str(out))
+    assert refused.returncode == 2 and out.read_text() == "my own data\n"
+    assert run_cli(tmp_path, "export", "1", "--db", str(db), "--output", str(out), "--force").returncode == 0
+    assert len(out.read_bytes().splitlines()) == 3
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["submit", "nope.toml", "--input", "x.jsonl"], "nope.toml: no such spec file"),
+        (["submit", "--input", "x.jsonl"], "--base-url is required"),
+        (["submit", "--input", "missing.jsonl", "--base-url", "http://127.0.0.1:9/v1"], "missing.jsonl: no such input file"),
+        (["resume", "42"], "no job 42 in ledger"),
+        (["status", "7"], "no job 7 in ledger"),
+        (["retry", "1", "--state", "succeeded"], "only failed, invalid_output can be retried"),
+        (["submit", "--input", "x.jsonl", "--base-url", "http://127.0.0.1:9/v1", "--db", "postgresql+psycopg://u:pw@127.0.0.1:1/x"],
+         "cannot open ledger postgresql+psycopg://u:***@127.0.0.1:1/x"),
+    ],
+)
+def test_usage_errors_exit_2_without_traceback(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "x.jsonl").write_text("{}\n")
+    proc = run_cli(tmp_path, *[a if not a.endswith((".toml", ".jsonl")) else str(tmp_path / a) for a in args])
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_spec_names_file_and_key(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    spec = write_spec(tmp_path, server, SPEC.replace("concurrency = 4", "concurrency = 'lots'"))
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(write_records(tmp_path, 1)), "--db", str(tmp_path / "l.db"))
+    assert proc.returncode == 2
+    assert f"{spec}: [run] concurrency = 'lots': expected an integer" in proc.stderr
+
+
+def test_strict_refuses_bad_input_and_sends_nothing(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    spec, db = write_spec(tmp_path, server), tmp_path / "l.db"
+    records = write_records(tmp_path, 5, [b'{"id": "x"}'])
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--strict")
+    assert proc.returncode == 2
+    assert f"{records}:6: template field 'text' is missing" in proc.stderr
+    assert len(server.log) == 0
+    assert orjson.loads(run_cli(tmp_path, "list", "--json", "--db", str(db)).stdout) == []
+
+
+def test_auth_refused_exits_3(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    server.faults = Faults(status_override=401)
+    spec, records = write_spec(tmp_path, server), write_records(tmp_path, 50)
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(tmp_path / "l.db"))
+    assert proc.returncode == 3
+    assert "authentication refused" in proc.stderr
+    assert "sk-test-not-a-real-key" not in proc.stderr + proc.stdout
+    assert len(server.log) <= 4
+
+
+def test_second_runner_exits_75_naming_the_holder(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    server.faults = Faults(latency_s=0.2)
+    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 40), tmp_path / "l.db"
+    first = start_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--quiet")
+    deadline = time.monotonic() + 30
+    while not server.log and time.monotonic() < deadline:
+        time.sleep(0.02)
+    second = run_cli(tmp_path, "resume", "1", "--db", str(db))
+    assert second.returncode == 75
+    assert "is being worked by run" in second.stderr and f"pid {first.pid}" in second.stderr
+    first.send_signal(signal.SIGINT)
+    first.communicate(timeout=30)
+    assert first.returncode == 75
+    finish = run_cli(tmp_path, "resume", "1", "--db", str(db))
+    assert finish.returncode == 0, finish.stderr
+    assert set(server.requests_by_key().values()) == {1}
+
+
+def test_retry_and_cancel(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    server.faults = Faults(status_override=500)
+    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 4), tmp_path / "l.db"
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--max-attempts", "2")
+    assert proc.returncode == 1
+    assert len(server.log) == 8
+    server.faults = Faults()
+    retried = run_cli(tmp_path, "retry", "1", "--db", str(db), "--where", "error_class=server_error")
+    assert retried.returncode == 0 and "4 items of job 1 back to pending" in retried.stdout
+    assert run_cli(tmp_path, "resume", "1", "--db", str(db)).returncode == 0
+    assert len(server.log) == 12
+    bad_where = run_cli(tmp_path, "retry", "1", "--db", str(db), "--where", "prompt=x")
+    assert bad_where.returncode == 2 and "KEY one of" in bad_where.stderr
+
+
+
+def test_cancel_leaves_finished_items_and_sends_nothing_more(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    server.faults = Faults(latency_s=0.1)
+    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 200), tmp_path / "l.db"
+    first = start_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--quiet")
+    deadline = time.monotonic() + 30
+    while len(server.log) < 10 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    first.send_signal(signal.SIGINT)
+    first.communicate(timeout=30)
+    assert first.returncode == 75
+    before = orjson.loads(run_cli(tmp_path, "status", "1", "--json", "--db", str(db)).stdout)["counts"]
+    assert before["pending"] > 0 and before["succeeded"] > 0
+    cancelled = run_cli(tmp_path, "cancel", "1", "--db", str(db))
+    assert cancelled.returncode == 0 and f"{before['pending']} items of job 1 cancelled" in cancelled.stdout
+    sent = len(server.log)
+    resumed = run_cli(tmp_path, "resume", "1", "--db", str(db))
+    assert resumed.returncode == 1  # finished, but not every item succeeded
+    assert len(server.log) == sent
+    after = orjson.loads(run_cli(tmp_path, "status", "1", "--json", "--db", str(db)).stdout)["counts"]
+    assert after["cancelled"] == before["pending"] and after["succeeded"] == before["succeeded"]
+
+
+def test_help_lists_every_command(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "--help")
+    for command in ("submit", "resume", "status", "export", "list", "retry", "cancel", "demo", "db"):
+        assert command in proc.stdout
+
+
+def test_demo_runs_the_bundled_job(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "demo", timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "1"
+    output_line = next(line for line in proc.stdout.splitlines() if line.startswith("output: "))
+    path = Path(output_line.removeprefix("output: ").split(" (")[0])
+    assert path.is_file() and str(path).startswith(str(tmp_path / "home"))
+    lines = [orjson.loads(x) for x in path.read_bytes().splitlines()]
+    assert len(lines) == 200 and {x["status"] for x in lines} == {"succeeded"}
+    assert (tmp_path / "home" / ".local" / "share" / "batchrun" / "ledger.db").is_file()
