@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_RATE_LIMITED_PER_ITEM = 30
+HANG_MIN_SAMPLES = 50
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ class JobRunner:
         self.controller = AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency)
         self._crash: BaseException | None = None
         self._held_slots = 0
+        self._latencies: deque[float] = deque(maxlen=2000)
+        self._since_estimate = 0
+        self._attempt_timeout = spec.run.timeout
         # Flush often enough that slots held by committed-to-be answers come back quickly.
         self._flush_count = max(8, min(self.options.flush_count, spec.run.concurrency // 2))
         self._wait = _WaitRetryAfter(
@@ -302,7 +306,7 @@ class JobRunner:
         reply: Reply | None = None
         try:
             request = self.provider.prepare(work.item.url, work.item.body)
-            reply = await send(self._http(), self.provider, request, total_timeout=self.spec.run.timeout)
+            reply = await send(self._http(), self.provider, request, total_timeout=self._attempt_timeout)
         except ProviderError as exc:
             error = exc
         except BaseException:
@@ -322,6 +326,7 @@ class JobRunner:
             work.counted += 1
             if error is None:
                 self.controller.on_success()
+                self._note_latency(time.perf_counter() - t0)
         self._attempts.append(
             AttemptRecord(
                 job_id=self.job.id,
@@ -346,6 +351,24 @@ class JobRunner:
         self.stats.input_tokens += reply.input_tokens or 0
         self.stats.output_tokens += reply.output_tokens or 0
         return reply
+
+    def _note_latency(self, seconds: float) -> None:
+        """Track clean-answer latencies; once there are enough, cut hung requests early.
+
+        A non-streamed answer sends nothing until it is complete, so a hang looks
+        like a slow answer until the total timeout. An attempt that takes
+        ``hang_factor`` times this run's P99 (and at least ``hang_min_seconds``)
+        is treated as hung and retried instead.
+        """
+        self._latencies.append(seconds)
+        self._since_estimate += 1
+        run = self.spec.run
+        if run.hang_factor <= 0 or len(self._latencies) < HANG_MIN_SAMPLES or self._since_estimate < 50:
+            return
+        self._since_estimate = 0
+        ordered = sorted(self._latencies)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        self._attempt_timeout = min(run.timeout, max(run.hang_min_seconds, run.hang_factor * p99))
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:

@@ -109,11 +109,13 @@ class RequestSpec:
 class RunSpec:
     concurrency: int = 32
     max_attempts: int = 5
-    timeout: float = 300.0
+    timeout: float = 600.0
     connect_timeout: float = 10.0
     max_line_bytes: int = 1_000_000
     lease_seconds: float = 120.0
     grace_seconds: float = 30.0
+    hang_factor: float = 10.0
+    hang_min_seconds: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -308,8 +310,9 @@ def _check_run(run: RunSpec, where: str) -> None:
     for key in ("timeout", "connect_timeout", "lease_seconds"):
         if getattr(run, key) <= 0:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number of seconds > 0")
-    if run.grace_seconds < 0:
-        raise SpecError(f"{where}: [run] grace_seconds = {run.grace_seconds}: expected a number of seconds >= 0")
+    for key in ("grace_seconds", "hang_factor", "hang_min_seconds"):
+        if getattr(run, key) < 0:
+            raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number >= 0")
 
 
 def _table(data: Mapping[str, Any], name: str, where: str) -> Mapping[str, Any]:

@@ -244,3 +244,22 @@ def test_model_override_and_base_url_forms(ledger: Ledger, server: FakeOpenAISer
     assert {rec.path for rec in server.log} == {"/v1/chat/completions"}
     rows = list(ledger.iter_items(job_id))
     assert {orjson.loads(r.response or "{}")["model"] for r in rows} == {"override-model"}
+
+
+def test_hung_requests_are_cut_after_a_multiple_of_p99(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.faults = Faults(latency_s=0.005, p_hang=0.01, seed=5)
+    spec = spec_for_batch_input(Overrides(base_url=server.base_url, concurrency=16))
+    from dataclasses import replace
+
+    spec = replace(spec, run=replace(spec.run, timeout=120.0, hang_factor=10.0, hang_min_seconds=0.5))
+    job_id = prepare_job(ledger, spec, write_jsonl(batch_lines(600))).job_id
+    started = time.monotonic()
+    summary = run(ledger, job_id)
+    assert summary.exit_code == EXIT_OK
+    assert any(r.outcome == "hang" for r in server.log)
+    assert time.monotonic() - started < 60  # never waited out the 120 s timeout
+    with ledger.engine.connect() as conn:
+        timeouts = conn.exec_driver_sql("select count(*) from attempts where error_class = 'timeout'").scalar()
+    assert timeouts >= 1
