@@ -99,15 +99,15 @@ class RetryableError(ProviderError):
 
     error_class = "retryable"
 
+    def __init__(self, message: str | None = None, *, retry_after: float | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.retry_after = retry_after  # seconds the provider asked us to wait, if it said
+
 
 class RateLimitedError(RetryableError):
     """The provider asked us to slow down."""
 
     error_class = "rate_limited"
-
-    def __init__(self, message: str | None = None, *, retry_after: float | None = None, **kwargs: object) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
-        self.retry_after = retry_after
 
 
 class PermanentError(ProviderError):

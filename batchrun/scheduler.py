@@ -88,7 +88,7 @@ class _Stopped(Exception):
 
 
 class _WaitRetryAfter(wait_base):
-    """Wait what a 429 asked for (plus a little jitter), else exponential backoff with jitter."""
+    """Wait what the provider asked for (plus a little jitter), else exponential backoff with jitter."""
 
     def __init__(self, fallback: wait_base, rng: random.Random) -> None:
         self.fallback = fallback
@@ -96,7 +96,7 @@ class _WaitRetryAfter(wait_base):
 
     def __call__(self, retry_state: RetryCallState) -> float:
         exc = retry_state.outcome.exception() if retry_state.outcome else None
-        if isinstance(exc, RateLimitedError) and exc.retry_after is not None:
+        if isinstance(exc, RetryableError) and exc.retry_after is not None:
             return exc.retry_after + self.rng.uniform(0.0, 0.1 + exc.retry_after * 0.1)
         return self.fallback(retry_state)
 
@@ -186,6 +186,8 @@ class JobRunner:
                 orphans = await self._ledger(self.ledger.requeue_expired, self.job.id)
             if orphans:
                 log.info("put %d items left running by an earlier run back to pending", orphans)
+            for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, 2000):
+                self._note_latency(seconds)
             owns_client = self._client is None
             if self._client is None:
                 self._client = make_client(self.spec, transport=self.options.transport)

@@ -553,6 +553,17 @@ class Ledger:
             "attempt_errors": {str(k): v for k, v in attempt_errors.items()},
         }
 
+    def recent_latencies(self, job_id: int, limit: int) -> list[float]:
+        """Seconds taken by the job's latest clean attempts, oldest first."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(attempts_t.c.latency_ms)
+                .where(attempts_t.c.job_id == job_id, attempts_t.c.error_class.is_(None), attempts_t.c.latency_ms.is_not(None))
+                .order_by(attempts_t.c.id.desc())
+                .limit(limit)
+            ).scalars()
+            return [ms / 1000.0 for ms in reversed(list(rows))]
+
     def iter_items(self, job_id: int, *, chunk: int = 2000) -> Iterator[ItemRow]:
         """Every item of the job in input order, read in bounded chunks (keyset pagination)."""
         cols = [

@@ -101,11 +101,13 @@ def error_for_status(status_code: int, headers: httpx.Headers, message: str, bod
         return RateLimitedError(text, retry_after=retry_after_seconds(headers), status_code=status_code, body=body)
     if status_code in (401, 403):
         return AuthError(text, status_code=status_code, body=body)
+    retry_after = retry_after_seconds(headers)
     if status_code >= 500:
-        err = RetryableError(text, status_code=status_code, error_class="server_error", body=body)
-        return err
+        return RetryableError(text, retry_after=retry_after, status_code=status_code, error_class="server_error", body=body)
     if status_code in RETRYABLE_STATUS:
-        return RetryableError(text, status_code=status_code, error_class="retryable_status", body=body)
+        return RetryableError(
+            text, retry_after=retry_after, status_code=status_code, error_class="retryable_status", body=body
+        )
     return PermanentError(text, status_code=status_code, body=body)
 
 

@@ -263,3 +263,42 @@ def test_hung_requests_are_cut_after_a_multiple_of_p99(
     with ledger.engine.connect() as conn:
         timeouts = conn.exec_driver_sql("select count(*) from attempts where error_class = 'timeout'").scalar()
     assert timeouts >= 1
+
+
+def test_resume_knows_the_jobs_latency_from_the_ledger(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+) -> None:
+    from dataclasses import replace
+
+    server.faults = Faults(latency_s=0.005)
+    spec = spec_for_batch_input(Overrides(base_url=server.base_url, concurrency=4))
+    spec = replace(spec, run=replace(spec.run, timeout=120.0, hang_min_seconds=0.5))
+    job_id = prepare_job(ledger, spec, write_jsonl(batch_lines(120))).job_id
+
+    async def stop_after(n: int) -> RunSummary:
+        started: list[JobRunner] = []
+        task = asyncio.create_task(run_job(ledger, job_id, options=FAST, on_start=started.append))
+        while len(server.log) < n:
+            await asyncio.sleep(0.005)
+        started[0].request_stop("signal")
+        return await task
+
+    assert asyncio.run(stop_after(80)).exit_code == EXIT_TEMPFAIL
+    server.faults = Faults(latency_s=0.005, p_hang=1.0)  # the resumed run's first request hangs
+
+    sent_before = sum(server.requests_by_key().values())
+
+    def heal() -> None:
+        deadline = time.monotonic() + 20
+        while sum(server.requests_by_key().values()) == sent_before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        server.faults = Faults(latency_s=0.005)
+
+    healer = threading.Thread(target=heal)
+    healer.start()
+    started = time.monotonic()
+    summary = run(ledger, job_id)
+    healer.join()
+    assert summary.exit_code == EXIT_OK
+    assert any(r.outcome == "hang" for r in server.log)
+    assert time.monotonic() - started < 30  # cut after ~0.5 s, not the 120 s timeout
