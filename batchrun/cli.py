@@ -302,7 +302,7 @@ def status(job: int | None, as_json: bool, db: str | None) -> None:
     counts = data["counts"]
     lat = data["latency_ms"]
     click.echo(f"job {data['job_id']}{' (' + data['name'] + ')' if data['name'] else ''}: {data['input']}")
-    click.echo(f"  model     {data['model']} at {data['base_url']}")
+    click.echo(f"  model     {data['model'] or '(as in each input line)'} at {data['base_url']}")
     click.echo(f"  items     {data['total']} total, {data['finished']} finished" + (" (done)" if data["done"] else ""))
     click.echo("  states    " + "  ".join(f"{k} {v}" for k, v in counts.items()))
     click.echo(f"  requests  {data['requests']}")

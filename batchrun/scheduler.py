@@ -6,8 +6,11 @@ One asyncio loop runs three things:
   at most ``2 × concurrency`` item tasks alive;
 - each item task sends attempts through tenacity; every attempt takes a slot
   of the :class:`AdaptiveConcurrency` controller, so backoff sleeps hold none;
+  a clean answer keeps its slot until it is committed, so answers paid for but
+  not yet in the ledger (lost by a ``kill -9``) never exceed the concurrency;
 - the writer commits outcomes and attempts in batches (by count or every
-  ``flush_interval``) and renews the run's heartbeat and leases.
+  ``flush_interval``), hands the held slots back, and renews the run's
+  heartbeat and leases.
 
 The ledger is synchronous; its calls run on one dedicated thread so the loop
 never blocks on SQLite and the ledger sees one writer per process.
@@ -232,9 +235,8 @@ class JobRunner:
                 if len(active) >= max_tasks:
                     await asyncio.wait(active | {stop_waiter, writer}, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                work = _ItemWork(queue.popleft(), time.monotonic(), 0)
-                work.counted = work.item.attempts
-                task = asyncio.create_task(self._work(work))
+                item = queue.popleft()
+                task = asyncio.create_task(self._work(_ItemWork(item, time.monotonic(), counted=item.attempts)))
                 active.add(task)
                 task.add_done_callback(active.discard)
         finally:

@@ -115,7 +115,7 @@ class RunSpec:
     lease_seconds: float = 120.0
     grace_seconds: float = 30.0
     hang_factor: float = 10.0
-    hang_min_seconds: float = 30.0
+    hang_min_seconds: float = 10.0
 
 
 @dataclass(frozen=True)

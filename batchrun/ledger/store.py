@@ -115,6 +115,13 @@ class ItemRow:
     latency_ms: float | None
 
 
+def _bind(outcome: Outcome) -> dict[str, Any]:
+    """An outcome as bind parameters (``b_`` names: SQLAlchemy reserves the column names)."""
+    params = {f"b_{k}": v for k, v in outcome.__dict__.items()}
+    params["b_id"] = params.pop("b_item_id")
+    return params
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -417,7 +424,7 @@ class Ledger:
                             lease_owner=None,
                             lease_expires=None,
                         ),
-                        [{f"b_{k[5:] if k == 'item_id' else k}": v for k, v in o.__dict__.items()} for o in final],
+                        [_bind(o) for o in final],
                     )
                 if back:
                     conn.execute(
@@ -432,16 +439,7 @@ class Ledger:
                             lease_owner=None,
                             lease_expires=None,
                         ),
-                        [
-                            {
-                                "b_id": o.item_id,
-                                "b_attempts": o.attempts,
-                                "b_status_code": o.status_code,
-                                "b_error_class": o.error_class,
-                                "b_error_message": o.error_message,
-                            }
-                            for o in back
-                        ],
+                        [_bind(o) for o in back],
                     )
 
     def release(self, run_id: str, item_ids: Sequence[int]) -> None:
