@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
-import batchrun
+from batchrun.bundled import bundled_dir
 from batchrun.jobs import prepare_job
 from batchrun.ledger import Ledger, default_db_path
 from batchrun.spec import Overrides, load_spec
@@ -17,21 +16,13 @@ DEMO_INPUT = "summarize.jsonl"
 DEMO_FAULTS = Faults(latency_s=0.05, latency_jitter_s=0.15, p_429=0.01, retry_after_s=0.5, p_500=0.03, p_reset=0.01)
 
 
-def bundled_jobs_dir() -> Path:
-    """The example job specs: inside the installed package, or beside it in a checkout."""
-    packaged = resources.files(batchrun) / "jobs"
-    if packaged.is_dir():
-        return Path(str(packaged))
-    return Path(batchrun.__file__).resolve().parent.parent / "jobs"
-
-
 def demo_server() -> FakeOpenAIServer:
     return FakeOpenAIServer(DEMO_FAULTS)
 
 
 def prepare_demo(ledger: Ledger, base_url: str) -> tuple[int, Path]:
     """Create a fresh demo job against ``base_url``; return its id and where its output goes."""
-    jobs_dir = bundled_jobs_dir()
+    jobs_dir = bundled_dir("jobs")
     spec = load_spec(jobs_dir / DEMO_SPEC, Overrides(base_url=base_url))
     prepared = prepare_job(ledger, spec, jobs_dir / DEMO_INPUT, new=True)
     out_dir = default_db_path().parent / "demo"

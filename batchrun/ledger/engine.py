@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-import batchrun
+from batchrun.bundled import bundled_dir
 from batchrun.errors import LedgerError
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -40,20 +39,12 @@ def resolve_db_url(db: str | os.PathLike[str] | None) -> str:
     return f"sqlite:///{path}"
 
 
-def migrations_dir() -> Path:
-    """The Alembic scripts: inside the installed package, or beside it in a checkout."""
-    packaged = resources.files(batchrun) / "migrations"
-    if packaged.is_dir():
-        return Path(str(packaged))
-    return Path(batchrun.__file__).resolve().parent.parent / "migrations"
-
-
 def alembic_config() -> Any:
     """An Alembic Config pointing at our migrations."""
     from alembic.config import Config
 
     cfg = Config()
-    cfg.set_main_option("script_location", str(migrations_dir()))
+    cfg.set_main_option("script_location", str(bundled_dir("migrations")))
     return cfg
 
 
