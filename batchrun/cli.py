@@ -368,14 +368,14 @@ def export_cmd(job: int, output: str, fmt: str, errors: str | None, force: bool,
 WHERE_COLUMNS = ("error_class", "status_code", "custom_id")
 
 
-def _parse_where(expr: str | None) -> dict[str, str]:
-    where: dict[str, str] = {}
+def _parse_where(expr: str | None) -> dict[str, Any]:
+    where: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in (expr or "").split(","))):
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or key not in WHERE_COLUMNS:
             raise UsageError(f"--where {expr!r}: expected KEY=VALUE[,KEY=VALUE] with KEY one of {', '.join(WHERE_COLUMNS)}")
-        where[key] = value.strip()
+        where[key] = int(value) if key == "status_code" and value.strip().isdigit() else value.strip()
     return where
 
 
@@ -383,17 +383,20 @@ def _parse_where(expr: str | None) -> dict[str, str]:
 @click.argument("job", type=int)
 @click.option("--state", "states", default="failed,invalid_output", show_default=True,
               help="Which finished states to send again (comma-separated).")
-@click.option("--where", "where", default=None, help="Only items matching KEY=VALUE, e.g. error_class=server_error.")
+@click.option("--where", "where", default=None, help="Only items matching KEY=VALUE, e.g. error_class=truncated.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="A new token limit for these items (recorded on them; the job's spec is unchanged).")
 @db_option
 @handle_errors
-def retry(job: int, states: str, where: str | None, db: str | None) -> None:
+def retry(job: int, states: str, where: str | None, max_tokens: int | None, db: str | None) -> None:
     """Put JOB's failed (and invalid) items back to pending, with a fresh attempt budget.
 
     Costs money: those requests are sent again on the next resume.
 
     \b
-    Example:
+    Examples:
       batchrun retry 3 --where error_class=server_error && batchrun resume 3
+      batchrun retry 3 --where error_class=truncated --max-tokens 1000 && batchrun resume 3
     """
     chosen = [s.strip() for s in states.split(",") if s.strip()]
     bad = [s for s in chosen if s not in ItemState.RETRYABLE]
@@ -401,8 +404,54 @@ def retry(job: int, states: str, where: str | None, db: str | None) -> None:
         raise UsageError(f"--state {bad[0]!r}: only {', '.join(ItemState.RETRYABLE)} can be retried")
     with _open(db) as ledger:
         ledger.get_job(job)
-        n = ledger.retry(job, chosen, _parse_where(where))
+        n = ledger.retry(job, chosen, _parse_where(where), max_tokens=max_tokens)
     click.echo(f"{n} items of job {job} back to pending; run: batchrun resume {job}")
+
+
+@main.command()
+@click.argument("job", type=int)
+@click.option("--schema", "schema_path", type=click.Path(dir_okay=False), default=None,
+              help="Check against this JSON Schema file instead of the job's own.")
+@click.option("--json", "as_json", is_flag=True, help="Print the changes as one JSON object.")
+@db_option
+@handle_errors
+def revalidate(job: int, schema_path: str | None, as_json: bool, db: str | None) -> None:
+    """Re-check JOB's stored answers against its schema (or --schema), with no API calls.
+
+    Items move between succeeded and invalid_output; truncated and refused
+    answers stay invalid. The job's spec is not changed.
+
+    \b
+    Example:
+      batchrun revalidate 3 --schema looser.schema.json
+    """
+    from batchrun.jobs import revalidate_job
+    from batchrun.validate import check_schema
+
+    schema = None
+    if schema_path:
+        try:
+            schema = orjson.loads(Path(schema_path).read_bytes())
+            check_schema(schema)
+        except FileNotFoundError:
+            raise UsageError(f"{schema_path}: no such schema file") from None
+        except orjson.JSONDecodeError as exc:
+            raise UsageError(f"{schema_path}: not valid JSON: {exc}") from None
+        except ValueError as exc:
+            raise UsageError(f"{schema_path}: not a valid JSON Schema (draft 2020-12): {exc}") from None
+    with _open(db) as ledger:
+        report = revalidate_job(ledger, job, schema)
+    if as_json:
+        click.echo(orjson.dumps(report.__dict__).decode())
+        return
+    click.echo(
+        f"checked {report.checked}: {len(report.to_succeeded)} now succeeded, "
+        f"{len(report.to_invalid)} now invalid_output, {report.skipped} truncated/refused left as they were"
+    )
+    for label, ids in (("now succeeded", report.to_succeeded), ("now invalid", report.to_invalid)):
+        if ids:
+            shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+            click.echo(f"  {label}: {shown}")
 
 
 @main.command()
@@ -418,20 +467,23 @@ def cancel(job: int, db: str | None) -> None:
 
 
 @main.command()
+@click.option("--job", "example", type=click.Choice(["summarize", "triage"]), default="summarize", show_default=True,
+              help="Which bundled example: review summaries, or ticket triage with a JSON Schema.")
 @db_option
 @handle_errors
-def demo(db: str | None) -> None:
+def demo(example: str, db: str | None) -> None:
     """Run the bundled example job against a local fake endpoint (nothing leaves this machine).
 
     Starts an OpenAI-compatible server on 127.0.0.1 with some latency and
-    injected faults (500s, 429s, connection resets), runs jobs/summarize.toml
-    over its example input with the default SQLite ledger (or --db), shows
-    progress and prints where the output is.
+    injected faults (500s, 429s, connection resets; for triage also fenced,
+    prose-wrapped, truncated and schema-violating answers), runs
+    jobs/summarize.toml (or jobs/triage.toml) over its example input with the
+    default SQLite ledger (or --db), shows progress and prints where the output is.
     """
     from batchrun.demo import demo_server, prepare_demo
 
     with _open(db) as ledger, demo_server() as server:
-        job_id, output = prepare_demo(ledger, server.base_url)
+        job_id, output = prepare_demo(ledger, server.base_url, example)
         click.echo(str(job_id))
         click.echo(f"batchrun: demo endpoint {server.base_url}, ledger {ledger.url}", err=True)
         summary = _work(ledger, job_id, overrides=Overrides(), command="demo", transport="aiohttp", quiet=False)

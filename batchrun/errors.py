@@ -10,11 +10,13 @@
     ├── JobNotFoundError      exit 2
     ├── JobLockedError        exit 75: another run holds the job
     ├── LedgerError           the ledger cannot be opened or upgraded
-    └── ProviderError         one attempt went wrong
-        ├── RetryableError        timeouts, connection errors, 408/409/425/429/5xx/529, bad body
-        │   └── RateLimitedError  429 (and friends), may carry a retry-after delay
-        ├── PermanentError        other 4xx: retrying cannot help
-        └── AuthError             401/403: every request would fail, stop the run
+    ├── ProviderError         one attempt went wrong
+    │   ├── RetryableError        timeouts, connection errors, 408/409/425/429/5xx/529, bad body
+    │   │   └── RateLimitedError  429 (and friends), may carry a retry-after delay
+    │   ├── PermanentError        other 4xx: retrying cannot help
+    │   └── AuthError             401/403: every request would fail, stop the run
+    └── OutputInvalidError    the answer is not valid structured output (truncated, refusal,
+                              not_json, schema_invalid): re-asked, then invalid_output
 
 Each class docstring is its default message; ``error_class`` is the short name
 stored in the ledger and shown in reports.
@@ -120,3 +122,20 @@ class AuthError(ProviderError):
     """The provider refused our credentials; every request would fail."""
 
     error_class = "auth"
+
+
+class OutputInvalidError(BatchrunError):
+    """The answer is not valid structured output."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        error_class: str = "schema_invalid",
+        raw: str | None = None,
+        errors: list[dict[str, str]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.error_class = error_class
+        self.raw = raw
+        self.errors = errors or []

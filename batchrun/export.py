@@ -45,6 +45,8 @@ def _error(row: ItemRow) -> dict[str, Any] | None:
         error["status_code"] = row.status_code
     if row.state == ItemState.REJECTED:
         error["line"] = row.line
+    if row.validation_errors:
+        error["errors"] = orjson.loads(row.validation_errors)
     return error
 
 
@@ -54,12 +56,15 @@ def _usage(row: ItemRow) -> dict[str, int] | None:
     return {"input_tokens": row.input_tokens or 0, "output_tokens": row.output_tokens or 0}
 
 
-def results_line(row: ItemRow) -> dict[str, Any]:
-    """The ``results`` format: one object per item."""
+def results_line(row: ItemRow, *, structured: bool = False) -> dict[str, Any]:
+    """The ``results`` format: one object per item; ``output`` is parsed JSON for a job with a schema."""
+    output: Any = None
+    if row.state == ItemState.SUCCEEDED:
+        output = orjson.loads(row.parsed) if structured and row.parsed is not None else row.output
     return {
         "custom_id": row.custom_id,
         "status": row.state,
-        "output": row.output if row.state == ItemState.SUCCEEDED else None,
+        "output": output,
         "usage": _usage(row),
         "attempts": row.attempts,
         "latency_ms": round(row.latency_ms, 3) if row.latency_ms is not None else None,
@@ -90,6 +95,7 @@ def errors_line(row: ItemRow) -> dict[str, Any]:
         "error_message": row.error_message,
         "status_code": row.status_code,
         "attempts": row.attempts,
+        "validation_errors": orjson.loads(row.validation_errors) if row.validation_errors else None,
         "raw": row.output if row.state == ItemState.INVALID_OUTPUT else row.response,
     }
 
@@ -164,7 +170,7 @@ def export_job(
     """Write the job's items to ``output`` (one line per input record) and, if asked, the errors file."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    ledger.get_job(job_id)
+    structured = ledger.get_job(job_id).spec.output.schema is not None
     path = Path(output).absolute()
     errors_path = Path(errors).absolute() if errors else None
     if errors_path == path:
@@ -177,7 +183,7 @@ def export_job(
         for row in ledger.iter_items(job_id):
             if row.error_class == DUPLICATE:
                 continue  # its custom_id belongs to another line; it is listed in the errors file
-            yield results_line(row) if fmt == "results" else openai_batch_line(job_id, row)
+            yield results_line(row, structured=structured) if fmt == "results" else openai_batch_line(job_id, row)
 
     lines, sha = write_atomic(path, main_lines())
     ledger.record_export(job_id, str(path), fmt, sha, lines)

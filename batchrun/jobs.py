@@ -7,13 +7,15 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
+import orjson
 
-from batchrun.errors import InputError, SpecError
+from batchrun.errors import InputError, OutputInvalidError, SpecError, UsageError
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
 from batchrun.ledger import ItemState, JobRecord, Ledger
 from batchrun.providers import provider_for
@@ -68,7 +70,10 @@ def prepare_job(
     existing = None if new else ledger.find_job(spec.identity_hash(), input_hash)
     if existing is not None and ledger.get_job(existing).ingest_done:
         return PreparedJob(existing, False, None)
-    builder = RequestBuilder(spec, provider_for(spec, read_key=False))
+    provider = provider_for(spec, read_key=False)
+    for warning in provider.warnings:
+        log.warning("%s", warning)
+    builder = RequestBuilder(spec, provider)
     if strict and existing is None:
         checked = check_input(path, builder)
         if checked.rejected:
@@ -147,3 +152,52 @@ async def run_job(
     code = exit_code_for(counts, result.stop_reason)
     ledger.end_run(job_id, result.run_id, code)
     return RunSummary(job_id, code, counts, result)
+
+
+@dataclass(frozen=True)
+class RevalidateReport:
+    checked: int
+    to_succeeded: list[str]
+    to_invalid: list[str]
+    skipped: int
+
+
+def revalidate_job(ledger: Ledger, job_id: int, schema: Mapping[str, Any] | None = None) -> RevalidateReport:
+    """Re-check stored answers against the job's schema (or ``schema``) with no API calls.
+
+    Items move between ``succeeded`` and ``invalid_output``; truncated and
+    refused answers stay invalid (no schema makes them whole).
+    """
+    from batchrun.validate import OutputValidator
+
+    schema = schema if schema is not None else ledger.get_job(job_id).spec.output.schema
+    if schema is None:
+        raise UsageError(f"job {job_id} has no output schema; pass one with --schema")
+    validator = OutputValidator(schema)
+    changes = []
+    to_succeeded: list[str] = []
+    to_invalid: list[str] = []
+    checked = skipped = 0
+    for row in ledger.iter_items(job_id):
+        if row.state not in (ItemState.SUCCEEDED, ItemState.INVALID_OUTPUT):
+            continue
+        if row.error_class in ("truncated", "refusal") or row.output is None:
+            skipped += 1
+            continue
+        checked += 1
+        try:
+            parsed = validator.check(row.output).parsed
+        except OutputInvalidError as invalid:
+            errors = orjson.dumps(invalid.errors).decode() if invalid.errors else None
+            changes.append((row.item_id, ItemState.INVALID_OUTPUT, None, invalid.error_class, invalid.message, errors))
+            if row.state == ItemState.SUCCEEDED:
+                to_invalid.append(row.custom_id)
+        else:
+            changes.append((row.item_id, ItemState.SUCCEEDED, orjson.dumps(parsed).decode(), None, None, None))
+            if row.state == ItemState.INVALID_OUTPUT:
+                to_succeeded.append(row.custom_id)
+        if len(changes) >= 1000:
+            ledger.set_verdicts(changes)
+            changes.clear()
+    ledger.set_verdicts(changes)
+    return RevalidateReport(checked, to_succeeded, to_invalid, skipped)

@@ -33,19 +33,22 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+import orjson
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 from tenacity.wait import wait_base
 
-from batchrun.errors import AuthError, PermanentError, ProviderError, RateLimitedError, RetryableError
+from batchrun.errors import AuthError, OutputInvalidError, ProviderError, RateLimitedError, RetryableError
 from batchrun.ledger import AttemptRecord, ClaimedItem, ItemState, JobRecord, Ledger, Outcome
 from batchrun.providers import Provider, Reply, make_client, send
 from batchrun.ratelimit import AdaptiveConcurrency
 from batchrun.spec import JobSpec
+from batchrun.validate import OutputValidator, feedback
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_RATE_LIMITED_PER_ITEM = 30
+_NO_VALUE = object()
 HANG_MIN_SAMPLES = 50
 
 
@@ -110,6 +113,11 @@ class _ItemWork:
     ready_at: float
     counted: int  # attempts that count against max_attempts (429s do not)
     rate_limited: int = 0
+    reasks: int = 0
+    followups: list[tuple[str, str]] = field(default_factory=list)
+    last_attempt: AttemptRecord | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 class JobRunner:
@@ -145,6 +153,7 @@ class JobRunner:
         self._writer_done = False
         self._rng = random.Random()
         self.controller = AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency)
+        self.validator = OutputValidator(spec.output.schema) if spec.output.schema is not None else None
         self._crash: BaseException | None = None
         self._held_slots = 0
         self._latencies: deque[float] = deque(maxlen=2000)
@@ -254,17 +263,28 @@ class JobRunner:
                     await asyncio.wait(pending)
 
     async def _work(self, work: _ItemWork) -> None:
-        retrying = AsyncRetrying(
-            stop=lambda state: self._budget_spent(work),
-            wait=self._wait,
-            retry=retry_if_exception_type(RetryableError),
-            sleep=self._interruptible_sleep,
-            reraise=True,
-        )
         try:
-            async for attempt in retrying:
-                with attempt:
-                    reply = await self._attempt(work)
+            while True:
+                reply = await self._ask(work)
+                if self.validator is None:
+                    self._finish(work, ItemState.SUCCEEDED, reply=reply)
+                    return
+                try:
+                    verdict = self.validator.check(reply.output, finish_reason=reply.finish_reason, refusal=reply.refusal)
+                except OutputInvalidError as invalid:
+                    if work.last_attempt is not None:
+                        work.last_attempt.error_class = invalid.error_class
+                    self.stats.errors[invalid.error_class] += 1
+                    if invalid.error_class == "refusal" or work.reasks >= self.spec.output.validation_retries:
+                        self._finish(work, ItemState.INVALID_OUTPUT, reply=reply, invalid=invalid)
+                        return
+                    # This answer will never be committed: its slot goes back now.
+                    self.controller.release()
+                    work.reasks += 1
+                    work.followups.append((reply.output or "", feedback(invalid)))
+                    continue
+                self._finish(work, ItemState.SUCCEEDED, reply=reply, parsed=verdict.parsed)
+                return
         except _Stopped:
             self._put_back(work)
         except AuthError as exc:
@@ -279,11 +299,25 @@ class JobRunner:
             self._put_back(work)
             self._crash = self._crash or exc
             self.request_stop("error", f"internal error: {type(exc).__name__}: {exc}")
-        else:
-            self._finish(work, ItemState.SUCCEEDED, reply=reply)
+
+    async def _ask(self, work: _ItemWork) -> Reply:
+        """One question (the request, or a re-ask), retried through tenacity until answered."""
+        retrying = AsyncRetrying(
+            stop=lambda state: self._budget_spent(work),
+            wait=self._wait,
+            retry=retry_if_exception_type(RetryableError),
+            sleep=self._interruptible_sleep,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._attempt(work)
+        raise AssertionError("unreachable: tenacity re-raises the last error")
 
     def _budget_spent(self, work: _ItemWork) -> bool:
-        return work.counted >= self.spec.run.max_attempts or work.rate_limited >= MAX_RATE_LIMITED_PER_ITEM
+        # Re-asks are budgeted by validation_retries, not max_attempts.
+        spent = work.counted - work.reasks
+        return spent >= self.spec.run.max_attempts or work.rate_limited >= MAX_RATE_LIMITED_PER_ITEM
 
     async def _interruptible_sleep(self, seconds: float) -> None:
         if self._sleep is not None:
@@ -309,7 +343,9 @@ class JobRunner:
         error: ProviderError | None = None
         reply: Reply | None = None
         try:
-            request = self.provider.prepare(work.item.url, work.item.body)
+            request = self.provider.prepare(
+                work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
+            )
             reply = await send(self._http(), self.provider, request, total_timeout=self._attempt_timeout)
         except ProviderError as exc:
             error = exc
@@ -331,8 +367,7 @@ class JobRunner:
             if error is None:
                 self.controller.on_success()
                 self._note_latency(time.perf_counter() - t0)
-        self._attempts.append(
-            AttemptRecord(
+        record = AttemptRecord(
                 job_id=self.job.id,
                 item_id=work.item.id,
                 run_id=self.run_id,
@@ -344,8 +379,9 @@ class JobRunner:
                 error_class=error.error_class if error else None,
                 input_tokens=reply.input_tokens if reply else None,
                 output_tokens=reply.output_tokens if reply else None,
-            )
         )
+        self._attempts.append(record)
+        work.last_attempt = record
         work.ready_at = time.monotonic()
         if error is not None:
             self.stats.errors[error.error_class] += 1
@@ -354,6 +390,8 @@ class JobRunner:
         assert reply is not None
         self.stats.input_tokens += reply.input_tokens or 0
         self.stats.output_tokens += reply.output_tokens or 0
+        work.input_tokens += reply.input_tokens or 0
+        work.output_tokens += reply.output_tokens or 0
         return reply
 
     def _note_latency(self, seconds: float) -> None:
@@ -386,37 +424,38 @@ class JobRunner:
         self.stats.done["released"] += 1
         self._maybe_flush()
 
-    def _finish(self, work: _ItemWork, state: str, *, reply: Reply | None = None, error: ProviderError | None = None) -> None:
-        now = time.time()
+    def _finish(
+        self,
+        work: _ItemWork,
+        state: str,
+        *,
+        reply: Reply | None = None,
+        error: ProviderError | None = None,
+        invalid: OutputInvalidError | None = None,
+        parsed: Any = _NO_VALUE,
+    ) -> None:
+        outcome = Outcome(item_id=work.item.id, state=state, attempts=work.counted, finished_at=time.time())
         if reply is not None:
-            outcome = Outcome(
-                item_id=work.item.id,
-                state=state,
-                attempts=work.counted,
-                status_code=reply.status_code,
-                response=reply.body,
-                output=reply.output,
-                request_id=reply.request_id,
-                input_tokens=reply.input_tokens,
-                output_tokens=reply.output_tokens,
-                latency_ms=self._attempts[-1].latency_ms if self._attempts else None,
-                finished_at=now,
-            )
-        else:
-            assert error is not None
-            outcome = Outcome(
-                item_id=work.item.id,
-                state=state,
-                attempts=work.counted,
-                status_code=error.status_code,
-                response=error.body,
-                error_class=error.error_class,
-                error_message=error.message,
-                finished_at=now,
-            )
-        self._outcomes.append(outcome)
-        if reply is not None:
+            outcome.status_code = reply.status_code
+            outcome.response = reply.body
+            outcome.output = reply.output
+            outcome.request_id = reply.request_id
+            outcome.input_tokens = work.input_tokens
+            outcome.output_tokens = work.output_tokens
+            outcome.latency_ms = work.last_attempt.latency_ms if work.last_attempt else None
+            if parsed is not _NO_VALUE:
+                outcome.parsed = orjson.dumps(parsed).decode()
             self._held_slots += 1
+        if invalid is not None:
+            outcome.error_class = invalid.error_class
+            outcome.error_message = invalid.message
+            outcome.validation_errors = orjson.dumps(invalid.errors).decode() if invalid.errors else None
+        if error is not None:
+            outcome.status_code = error.status_code
+            outcome.response = error.body
+            outcome.error_class = error.error_class
+            outcome.error_message = error.message
+        self._outcomes.append(outcome)
         self.stats.done[state] += 1
         self._maybe_flush()
 

@@ -119,6 +119,17 @@ class RunSpec:
 
 
 @dataclass(frozen=True)
+class OutputSpec:
+    """Structured output: the JSON Schema answers must match, and how often to re-ask."""
+
+    schema: Mapping[str, Any] | None = None
+    schema_file: str | None = None
+    name: str = "output"
+    strict: bool | None = None  # None: strict when the schema allows it
+    validation_retries: int = 2
+
+
+@dataclass(frozen=True)
 class Overrides:
     """Run-time flags that win over the spec (``--base-url``, ``--model``, ...)."""
 
@@ -136,6 +147,7 @@ class JobSpec:
     provider: ProviderSpec
     request: RequestSpec
     run: RunSpec
+    output: OutputSpec = field(default_factory=OutputSpec)
     name: str | None = None
     source: str = ""
     path: str | None = None
@@ -151,6 +163,7 @@ class JobSpec:
         data.pop("path")
         data["request"]["messages"] = [list(m) for m in self.request.messages]
         data["request"]["extra"] = dict(self.request.extra)
+        data["output"]["schema"] = dict(self.output.schema) if self.output.schema is not None else None
         return data
 
     @classmethod
@@ -161,6 +174,7 @@ class JobSpec:
             provider=ProviderSpec(**data["provider"]),
             request=RequestSpec(**req),
             run=RunSpec(**data["run"]),
+            output=OutputSpec(**data.get("output", {})),
             name=data.get("name"),
             source=source,
             path=path,
@@ -171,6 +185,7 @@ class JobSpec:
         data = self.to_dict()
         data.pop("run")
         data.pop("name")
+        data["output"].pop("schema_file")
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     def with_overrides(self, overrides: Overrides) -> JobSpec:
@@ -217,7 +232,7 @@ def load_spec(path: str | Path, overrides: Overrides | None = None) -> JobSpec:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{path}: not valid TOML: {exc}") from exc
-    spec = parse_spec(data, where=str(path), source=text, path=str(path.resolve()))
+    spec = parse_spec(data, where=str(path), source=text, path=str(path.resolve()), base_dir=path.parent)
     return spec.with_overrides(overrides) if overrides else spec
 
 
@@ -233,20 +248,32 @@ def spec_for_batch_input(overrides: Overrides) -> JobSpec:
 
 
 _KNOWN = {
-    "": {"name", "provider", "request", "run"},
+    "": {"name", "provider", "request", "run", "output"},
+    "output": {"schema", "name", "strict", "validation_retries"},
     "provider": {"kind", "base_url", "model", "api_key_env"},
     "request": {"system", "template", "messages", "max_tokens", "temperature", "extra"},
     "run": {f.name for f in dataclasses.fields(RunSpec)},
 }
 
 
-def parse_spec(data: Mapping[str, Any], *, where: str, source: str = "", path: str | None = None) -> JobSpec:
-    """Check a parsed spec mapping and build the frozen :class:`JobSpec`."""
+def parse_spec(
+    data: Mapping[str, Any],
+    *,
+    where: str,
+    source: str = "",
+    path: str | None = None,
+    base_dir: Path | None = None,
+) -> JobSpec:
+    """Check a parsed spec mapping and build the frozen :class:`JobSpec`.
+
+    ``base_dir`` is where a relative ``[output] schema`` file is looked up.
+    """
     _check_keys(data, "", where)
     provider_t = _table(data, "provider", where)
     request_t = _table(data, "request", where)
     run_t = _table(data, "run", where)
-    for name, table in (("provider", provider_t), ("request", request_t), ("run", run_t)):
+    output_t = _table(data, "output", where)
+    for name, table in (("provider", provider_t), ("request", request_t), ("run", run_t), ("output", output_t)):
         _check_keys(table, name, where)
 
     kind = _get(provider_t, "provider", "kind", str, where, "openai")
@@ -294,13 +321,59 @@ def parse_spec(data: Mapping[str, Any], *, where: str, source: str = "", path: s
     run = RunSpec(**run_values)
     _check_run(run, where)
 
+    output = _parse_output(output_t, where, base_dir or Path.cwd())
     name = _get(data, "", "name", str, where, None)
-    spec = JobSpec(provider=provider, request=request, run=run, name=name, source=source, path=path)
+    spec = JobSpec(provider=provider, request=request, run=run, output=output, name=name, source=source, path=path)
     try:
         spec.user_templates()  # compile now so placeholder errors surface at load time
     except SpecError as exc:
         raise SpecError(f"{where}: {exc.message}") from exc
     return spec
+
+
+def _parse_output(table: Mapping[str, Any], where: str, base_dir: Path) -> OutputSpec:
+    from batchrun.validate import check_schema
+
+    retries = _get(table, "output", "validation_retries", int, where, 2)
+    if retries < 0:
+        raise SpecError(f"{where}: [output] validation_retries = {retries}: expected an integer >= 0")
+    name = _get(table, "output", "name", str, where, "output")
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise SpecError(f"{where}: [output] name = {name!r}: expected 1-64 letters, digits, _ or -")
+    strict = table.get("strict", "auto")
+    if strict not in (True, False, "auto"):
+        raise SpecError(f"{where}: [output] strict = {strict!r}: expected true, false or \"auto\"")
+    raw = table.get("schema")
+    schema_file: str | None = None
+    if raw is None:
+        return OutputSpec(name=name, validation_retries=retries, strict=None if strict == "auto" else strict)
+    if isinstance(raw, str):
+        schema_path = (base_dir / raw).resolve()
+        schema_file = str(schema_path)
+        try:
+            schema = orjson.loads(schema_path.read_bytes())
+        except FileNotFoundError:
+            raise SpecError(f"{where}: [output] schema = {raw!r}: no such file {schema_path}") from None
+        except OSError as exc:
+            raise SpecError(f"{where}: [output] schema = {raw!r}: cannot read {schema_path}: {exc}") from exc
+        except orjson.JSONDecodeError as exc:
+            raise SpecError(f"{where}: [output] schema = {raw!r}: {schema_path} is not valid JSON: {exc}") from None
+    elif isinstance(raw, Mapping):
+        schema = dict(raw)
+    else:
+        raise SpecError(f"{where}: [output] schema: expected a file name or an inline table, got {type(raw).__name__}")
+    label = schema_file or "[output] schema"
+    try:
+        check_schema(schema)
+    except ValueError as exc:
+        raise SpecError(f"{where}: {label}: not a valid JSON Schema (draft 2020-12): {exc}") from None
+    return OutputSpec(
+        schema=schema,
+        schema_file=schema_file,
+        name=name,
+        strict=None if strict == "auto" else strict,
+        validation_retries=retries,
+    )
 
 
 def _check_run(run: RunSpec, where: str) -> None:

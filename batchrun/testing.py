@@ -23,6 +23,7 @@ import struct
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -85,6 +86,15 @@ class Faults:
     p_hang: float = 0.0  # read the request, never answer
     p_bad_body: float = 0.0  # 200 whose (correctly framed) body is not valid JSON
     p_truncated: float = 0.0  # 200 whose body stops halfway, then the connection closes
+    # Faults in the *content* of a 200 answer to a request with a json_schema
+    # response_format (drawn from a third number, in this order):
+    p_fenced: float = 0.0  # valid JSON inside a ```json code fence
+    p_prose: float = 0.0  # valid JSON wrapped in a sentence before and after
+    p_truncated_json: float = 0.0  # JSON cut in half, finish_reason "length"
+    p_schema_violation: float = 0.0  # JSON that breaks the schema (a required key missing)
+    p_not_json: float = 0.0  # plain prose, no JSON at all
+    p_refusal: float = 0.0  # content null, message.refusal set
+    output_faults_on_reask: bool = True  # False: a re-ask (a request with an assistant turn) is always answered well
     status_override: int | None = None  # answer every chat request with this status
     burst_429_period_s: float = 0.0  # > 0: each period (from server start) begins with...
     burst_429_duration_s: float = 0.0  # ...this many seconds of 429s for every request
@@ -106,14 +116,19 @@ class RequestRecord:
     status: int | None
     prompt_tokens: int
     completion_tokens: int
+    output_fault: str | None = None  # which content fault a structured answer carried
 
 
 def default_key_fn(body: dict[str, Any]) -> str | None:
-    """Content of the last message with role "user" (a string), else None."""
+    """Content of the first message with role "user" (a string), else None.
+
+    The first, so a re-ask (which appends an assistant turn and a follow-up)
+    counts against the same record.
+    """
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
-    for msg in reversed(messages):
+    for msg in messages:
         if isinstance(msg, dict) and msg.get("role") == "user":
             content = msg.get("content")
             return content if isinstance(content, str) else None
@@ -177,6 +192,7 @@ class FakeOpenAIServer:
         port: int = 0,
         key_fn: Callable[[dict[str, Any]], str | None] | None = None,
         log_path: str | os.PathLike[str] | None = None,
+        record_bodies: bool = False,
     ) -> None:
         self.faults: Faults = faults if faults is not None else Faults()
         self.port: int = port
@@ -185,6 +201,8 @@ class FakeOpenAIServer:
         self._log_path = os.fspath(log_path) if log_path is not None else None
         self._lock = threading.Lock()
         self._log: list[RequestRecord] = []
+        self._record_bodies = record_bodies
+        self._bodies: list[Any] = []
         self._arrivals: collections.Counter[str] = collections.Counter()
         self._seq = 0
         self._rng_seed = self.faults.seed
@@ -327,11 +345,20 @@ class FakeOpenAIServer:
         """Forget the log and the per-key counters (``seq`` keeps counting)."""
         with self._lock:
             self._log.clear()
+            self._bodies.clear()
             self._arrivals.clear()
 
-    def _record(self, rec: RequestRecord) -> None:
+    @property
+    def bodies(self) -> list[Any]:
+        """The parsed request bodies, in log order (only with ``record_bodies=True``)."""
+        with self._lock:
+            return list(self._bodies)
+
+    def _record(self, rec: RequestRecord, body: Any = None) -> None:
         with self._lock:
             self._log.append(rec)
+            if self._record_bodies:
+                self._bodies.append(body)
         f = self._log_file
         if f is not None:
             f.write(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE))
@@ -538,11 +565,11 @@ class FakeOpenAIServer:
             extra += b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n" % (
                 f.rpm_limit, self._rpm_remaining(f.rpm_limit, now_m))
 
-        def record(outcome: str, status: int | None, completion_tokens: int = 0) -> None:
+        def record(outcome: str, status: int | None, completion_tokens: int = 0, fault: str | None = None) -> None:
             self._record(RequestRecord(
                 seq, received_at, time.time(), method, path, key, outcome, status,
-                prompt_tokens, completion_tokens,
-            ))
+                prompt_tokens, completion_tokens, fault,
+            ), obj)
 
         # Records are appended just *before* the bytes go out, so a client that has seen
         # the response always finds its record in the log.
@@ -564,8 +591,9 @@ class FakeOpenAIServer:
             self._abort_with_rst(writer)
             return False
         if status == 200:
-            body, completion_tokens = self._completion(obj, seq, prompt_tokens)
-            record(outcome, 200, completion_tokens)
+            fault = self._output_fault(obj, f, rng) if outcome == "ok" else None
+            body, completion_tokens = self._completion(obj, seq, prompt_tokens, key, fault)
+            record(outcome, 200, completion_tokens, fault)
             if outcome == "bad_body":
                 body = _BAD_BODY
             elif outcome == "truncated":
@@ -625,38 +653,83 @@ class FakeOpenAIServer:
         )
 
     @staticmethod
-    def _completion(body: dict[str, Any], seq: int, prompt_tokens: int) -> tuple[bytes, int]:
-        """Deterministic echo completion body and its completion token count."""
-        messages = body.get("messages")
-        text = ""
-        if isinstance(messages, list):
-            for msg in reversed(messages):
-                if isinstance(msg, dict) and msg.get("role") == "user":
-                    text = _content_text(msg.get("content"))
-                    break
-        reply = "echo: " + text
-        completion_tokens = len(reply) // 4 + 1
+    def _output_fault(body: dict[str, Any], f: Faults, rng: random.Random) -> str | None:
+        """The content fault of a structured answer, if any (a third draw, only for these)."""
+        if _json_schema(body) is None:
+            return None
+        is_reask = any(isinstance(m, dict) and m.get("role") == "assistant" for m in body.get("messages") or [])
+        if is_reask and not f.output_faults_on_reask:
+            return None
+        v = rng.random()
+        acc = 0.0
+        for name, p in (
+            ("fenced", f.p_fenced), ("prose", f.p_prose), ("truncated_json", f.p_truncated_json),
+            ("schema_violation", f.p_schema_violation), ("not_json", f.p_not_json), ("refusal", f.p_refusal),
+        ):
+            acc += p
+            if v < acc:
+                return name
+        return None
+
+    @staticmethod
+    def _completion(
+        body: dict[str, Any], seq: int, prompt_tokens: int, key: str | None = None, fault: str | None = None
+    ) -> tuple[bytes, int]:
+        """Deterministic completion body and its completion token count.
+
+        Plain requests get ``"echo: " + last user message``; requests with a
+        json_schema response_format get an instance of the schema derived from
+        the key, spoiled as ``fault`` says.
+        """
+        schema = _json_schema(body)
         finish = "stop"
+        refusal: str | None = None
+        content: str | None
+        if schema is not None:
+            instance = _instance(schema, key or "")
+            if fault == "schema_violation":
+                instance = _violate(schema, instance)
+            text = orjson.dumps(instance).decode()
+            if fault == "fenced":
+                text = f"```json\n{text}\n```"
+            elif fault == "prose":
+                text = f"Sure, here is the result:\n{text}\nLet me know if you need anything else."
+            elif fault == "truncated_json":
+                text, finish = text[: max(1, len(text) // 2)], "length"
+            elif fault == "not_json":
+                text = "I am not able to answer in JSON, but the ticket looks urgent."
+            content = text
+            if fault == "refusal":
+                content, refusal = None, "I can't help with that request."
+        else:
+            messages = body.get("messages")
+            text = ""
+            if isinstance(messages, list):
+                for msg in reversed(messages):
+                    if isinstance(msg, dict) and msg.get("role") == "user":
+                        text = _content_text(msg.get("content"))
+                        break
+            content = "echo: " + text
+        completion_tokens = len(content or refusal or "") // 4 + 1
         max_tokens = body.get("max_completion_tokens")
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
-        if (isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+        if (content is not None and isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
                 and max_tokens < completion_tokens):
             max_tokens = max(max_tokens, 0)
-            reply = reply[: max_tokens * 4]
+            content = content[: max_tokens * 4]
             completion_tokens = max_tokens
             finish = "length"
         model = body.get("model")
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if refusal is not None:
+            message["refusal"] = refusal
         payload = {
             "id": f"chatcmpl-{seq}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model if isinstance(model, str) else "fake-model",
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": reply},
-                "finish_reason": finish,
-            }],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
@@ -664,6 +737,58 @@ class FakeOpenAIServer:
             },
         }
         return orjson.dumps(payload), completion_tokens
+
+
+def _json_schema(body: dict[str, Any]) -> dict[str, Any] | None:
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        inner = fmt.get("json_schema")
+        if isinstance(inner, dict) and isinstance(inner.get("schema"), dict):
+            return inner["schema"]
+    return None
+
+
+def _instance(schema: Any, key: str, depth: int = 0) -> Any:
+    """A value that matches ``schema``, chosen deterministically from ``key``."""
+    if not isinstance(schema, dict) or depth > 20:
+        return None
+    pick = zlib.crc32(key.encode()) + depth
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][pick % len(schema["enum"])]
+    for combo in ("anyOf", "oneOf"):
+        if combo in schema and schema[combo]:
+            return _instance(schema[combo][0], key, depth + 1)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties") or {}
+        return {name: _instance(sub, key, depth + 1) for name, sub in props.items()}
+    if kind == "array":
+        count = max(1, int(schema.get("minItems", 1)))
+        return [_instance(schema.get("items", {}), key, depth + 1) for _ in range(count)]
+    if kind == "string":
+        text = f"echo: {key}"
+        if "maxLength" in schema:
+            text = text[: int(schema["maxLength"])]
+        return text.ljust(int(schema.get("minLength", 0)), "x")
+    if kind in ("integer", "number"):
+        low, high = schema.get("minimum", 0), schema.get("maximum", 1_000_000)
+        return int(low + pick % (int(high - low) + 1))
+    if kind == "boolean":
+        return pick % 2 == 0
+    return None
+
+
+def _violate(schema: Any, instance: Any) -> Any:
+    """``instance`` broken: a required key dropped, else a value of the wrong type."""
+    if isinstance(instance, dict) and isinstance(schema, dict) and schema.get("required"):
+        broken = dict(instance)
+        broken.pop(schema["required"][0], None)
+        return broken
+    return {"unexpected": True} if not isinstance(instance, dict) else 12345
 
 
 # ---------------------------------------------------------------------- CLI

@@ -58,6 +58,7 @@ class ClaimedItem:
     url: str | None
     body: str
     attempts: int
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -70,6 +71,8 @@ class Outcome:
     status_code: int | None = None
     response: str | None = None
     output: str | None = None
+    parsed: str | None = None
+    validation_errors: str | None = None
     request_id: str | None = None
     error_class: str | None = None
     error_message: str | None = None
@@ -113,6 +116,9 @@ class ItemRow:
     input_tokens: int | None
     output_tokens: int | None
     latency_ms: float | None
+    parsed: str | None = None
+    validation_errors: str | None = None
+    item_id: int = 0
 
 
 def _bind(outcome: Outcome) -> dict[str, Any]:
@@ -379,11 +385,13 @@ class Ledger:
             update(items_t)
             .where(items_t.c.id.in_(pick.scalar_subquery()))
             .values(state=ItemState.RUNNING, lease_owner=run_id, lease_expires=time.time() + lease_seconds)
-            .returning(items_t.c.id, items_t.c.custom_id, items_t.c.url, items_t.c.body, items_t.c.attempts)
+            .returning(
+                items_t.c.id, items_t.c.custom_id, items_t.c.url, items_t.c.body, items_t.c.attempts, items_t.c.max_tokens
+            )
         )
         with self.engine.begin() as conn:
             rows = conn.execute(stmt).all()
-        return sorted((ClaimedItem(r.id, r.custom_id, r.url, r.body, r.attempts) for r in rows), key=lambda c: c.id)
+        return sorted((ClaimedItem(*r) for r in rows), key=lambda c: c.id)
 
     def record(self, run_id: str, outcomes: Sequence[Outcome], attempts: Sequence[AttemptRecord]) -> None:
         """Write a batch of outcomes and attempts in one transaction.
@@ -414,6 +422,8 @@ class Ledger:
                             status_code=bindparam("b_status_code"),
                             response=bindparam("b_response"),
                             output=bindparam("b_output"),
+                            parsed=bindparam("b_parsed"),
+                            validation_errors=bindparam("b_validation_errors"),
                             request_id=bindparam("b_request_id"),
                             error_class=bindparam("b_error_class"),
                             error_message=bindparam("b_error_message"),
@@ -459,25 +469,58 @@ class Ledger:
 
     # -- user actions -------------------------------------------------------
 
-    def retry(self, job_id: int, states: Sequence[str], where: dict[str, str] | None = None) -> int:
-        """Send finished items in ``states`` back to pending with a fresh attempt budget."""
+    def retry(
+        self, job_id: int, states: Sequence[str], where: dict[str, Any] | None = None, *, max_tokens: int | None = None
+    ) -> int:
+        """Send finished items in ``states`` back to pending with a fresh attempt budget.
+
+        ``max_tokens`` is recorded on those items and replaces the spec's limit
+        for them (the job's spec stays as submitted).
+        """
         cond = [items_t.c.job_id == job_id, items_t.c.state.in_(list(states))]
         for column, value in (where or {}).items():
             cond.append(items_t.c[column] == value)
+        values: dict[str, Any] = {
+            "state": ItemState.PENDING,
+            "attempts": 0,
+            "error_class": None,
+            "error_message": None,
+            "status_code": None,
+            "finished_at": None,
+        }
+        if max_tokens is not None:
+            values["max_tokens"] = max_tokens
         with self.engine.begin() as conn:
-            result = conn.execute(
-                update(items_t)
-                .where(*cond)
-                .values(
-                    state=ItemState.PENDING,
-                    attempts=0,
-                    error_class=None,
-                    error_message=None,
-                    status_code=None,
-                    finished_at=None,
-                )
-            )
+            result = conn.execute(update(items_t).where(*cond).values(**values))
             return int(result.rowcount)
+
+    def set_verdicts(self, changes: Sequence[tuple[int, str, str | None, str | None, str | None, str | None]]) -> None:
+        """Apply offline revalidation: (item id, state, parsed, error class, error message, validation errors)."""
+        if not changes:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(items_t)
+                .where(items_t.c.id == bindparam("b_id"))
+                .values(
+                    state=bindparam("b_state"),
+                    parsed=bindparam("b_parsed"),
+                    error_class=bindparam("b_error_class"),
+                    error_message=bindparam("b_error_message"),
+                    validation_errors=bindparam("b_validation_errors"),
+                ),
+                [
+                    {
+                        "b_id": c[0],
+                        "b_state": c[1],
+                        "b_parsed": c[2],
+                        "b_error_class": c[3],
+                        "b_error_message": c[4],
+                        "b_validation_errors": c[5],
+                    }
+                    for c in changes
+                ],
+            )
 
     def cancel(self, job_id: int) -> int:
         """Cancel every pending or running item of the job."""
@@ -505,9 +548,9 @@ class Ledger:
         with self.engine.connect() as conn:
             tokens = conn.execute(
                 select(
-                    func.coalesce(func.sum(items_t.c.input_tokens), 0),
-                    func.coalesce(func.sum(items_t.c.output_tokens), 0),
-                ).where(items_t.c.job_id == job_id)
+                    func.coalesce(func.sum(attempts_t.c.input_tokens), 0),
+                    func.coalesce(func.sum(attempts_t.c.output_tokens), 0),
+                ).where(attempts_t.c.job_id == job_id)
             ).one()
             latencies = sorted(
                 conn.execute(
@@ -578,6 +621,9 @@ class Ledger:
             items_t.c.input_tokens,
             items_t.c.output_tokens,
             items_t.c.latency_ms,
+            items_t.c.parsed,
+            items_t.c.validation_errors,
+            items_t.c.id,
         ]
         last = -1
         while True:

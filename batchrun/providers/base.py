@@ -44,12 +44,14 @@ class Reply:
     input_tokens: int | None
     output_tokens: int | None
     request_id: str | None
+    refusal: str | None = None
 
 
 class Provider(Protocol):
     """One API's differences: request shape, auth, reply parsing, error bodies."""
 
     kind: str
+    warnings: list[str]  # things the user should know about how requests are sent
 
     def render_body(self, messages: Sequence[Mapping[str, str]]) -> dict[str, Any]:
         """A request body from rendered chat messages and the spec's request settings."""
@@ -59,8 +61,20 @@ class Provider(Protocol):
         """(url, body) of a provider batch-form input line; ValueError with the reason if it is not one."""
         ...
 
-    def prepare(self, url: str | None, body: str) -> PreparedRequest:
-        """The HTTP request for a stored item."""
+    def prepare(
+        self,
+        url: str | None,
+        body: str,
+        *,
+        max_tokens: int | None = None,
+        followups: Sequence[tuple[str, str]] = (),
+    ) -> PreparedRequest:
+        """The HTTP request for a stored item.
+
+        ``max_tokens`` replaces the body's limit (``batchrun retry --max-tokens``);
+        ``followups`` are (previous answer, feedback) pairs of a re-ask. The job's
+        structured-output request (its schema) is added here, not stored per item.
+        """
         ...
 
     def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:

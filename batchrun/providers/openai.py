@@ -12,6 +12,7 @@ import orjson
 from batchrun.errors import RetryableError
 from batchrun.providers.base import PreparedRequest, Reply, error_for_status, json_or_none
 from batchrun.spec import JobSpec
+from batchrun.validate import strict_problem
 
 CHAT_PATH = "/chat/completions"
 
@@ -31,6 +32,27 @@ class OpenAIProvider:
         self.headers = {"content-type": "application/json", "accept": "application/json"}
         if api_key:
             self.headers["authorization"] = f"Bearer {api_key}"
+        self.warnings: list[str] = []
+        self.response_format = self._response_format(spec)
+
+    def _response_format(self, spec: JobSpec) -> dict[str, Any] | None:
+        """``response_format`` with the job's schema: strict when the schema allows it."""
+        output = spec.output
+        if output.schema is None:
+            return None
+        strict = output.strict
+        if strict is None:
+            problem = strict_problem(output.schema)
+            strict = problem is None
+            if problem:
+                self.warnings.append(
+                    f"the output schema is sent with strict = false ({problem}); answers are still "
+                    "validated here. Set [output] strict = false to silence this."
+                )
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": output.name, "schema": dict(output.schema), "strict": strict},
+        }
 
     def endpoint(self, path: str | None) -> str:
         """The full URL for a batch line's ``url`` (``/v1/chat/completions``) or the default route.
@@ -69,14 +91,30 @@ class OpenAIProvider:
             raise ValueError("body has no 'model' and none is configured (use --model or [provider] model)")
         return url, body
 
-    def prepare(self, url: str | None, body: str) -> PreparedRequest:
-        content = body.encode()
+    def prepare(
+        self,
+        url: str | None,
+        body: str,
+        *,
+        max_tokens: int | None = None,
+        followups: Sequence[tuple[str, str]] = (),
+    ) -> PreparedRequest:
+        if not (self.model or self.response_format or max_tokens is not None or followups):
+            return PreparedRequest(self.endpoint(url), self.headers, body.encode())
+        data = orjson.loads(body)
         if self.model:
-            data = orjson.loads(content)
-            if data.get("model") != self.model:
-                data["model"] = self.model
-                content = orjson.dumps(data)
-        return PreparedRequest(self.endpoint(url), self.headers, content)
+            data["model"] = self.model
+        if self.response_format is not None and "response_format" not in data:
+            data["response_format"] = self.response_format
+        if max_tokens is not None:
+            key = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
+            data[key] = max_tokens
+        if followups:
+            messages = list(data.get("messages", []))
+            for answer, feedback in followups:
+                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": feedback}]
+            data["messages"] = messages
+        return PreparedRequest(self.endpoint(url), self.headers, orjson.dumps(data))
 
     def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
         data = json_or_none(content)
@@ -95,11 +133,14 @@ class OpenAIProvider:
             )
         output: str | None = None
         finish_reason: str | None = None
+        refusal: str | None = None
         choices = data.get("choices")
         if isinstance(choices, list) and choices and isinstance(choices[0], dict):
             message = choices[0].get("message") or {}
-            content_value = message.get("content") if isinstance(message, dict) else None
-            output = content_value if isinstance(content_value, str) else None
+            if isinstance(message, dict):
+                content_value = message.get("content")
+                output = content_value if isinstance(content_value, str) else None
+                refusal = message.get("refusal") if isinstance(message.get("refusal"), str) else None
             finish_reason = choices[0].get("finish_reason")
         usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         return Reply(
@@ -110,6 +151,7 @@ class OpenAIProvider:
             input_tokens=_int_or_none(usage.get("prompt_tokens")),
             output_tokens=_int_or_none(usage.get("completion_tokens")),
             request_id=headers.get("x-request-id"),
+            refusal=refusal,
         )
 
 

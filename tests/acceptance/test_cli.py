@@ -165,7 +165,7 @@ def test_auth_refused_exits_3(tmp_path: Path, server: FakeOpenAIServer) -> None:
 
 def test_second_runner_exits_75_naming_the_holder(tmp_path: Path, server: FakeOpenAIServer) -> None:
     server.faults = Faults(latency_s=0.2)
-    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 40), tmp_path / "l.db"
+    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 300), tmp_path / "l.db"
     first = start_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--quiet")
     deadline = time.monotonic() + 30
     while not server.log and time.monotonic() < deadline:

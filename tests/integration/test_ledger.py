@@ -35,7 +35,7 @@ def test_migration_from_blank_to_head_matches_models(db_url: str) -> None:
     try:
         with ledger.engine.connect() as conn:
             ctx = MigrationContext.configure(conn)
-            assert ctx.get_current_revision() == "0001"
+            assert ctx.get_current_revision() == SCHEMA_HEAD
             assert compare_metadata(ctx, Base.metadata) == []
             assert {"jobs", "items", "attempts", "runs", "exports"} <= set(inspect(conn).get_table_names())
         assert upgrade_to_head(ledger.engine) is False  # opening again applies nothing
@@ -65,7 +65,7 @@ def test_db_upgrade_command_and_alembic_config(tmp_path: Path) -> None:
     assert "up to date" in proc.stdout
     engine = create_engine(f"sqlite:///{db}")
     with engine.connect() as conn:
-        assert conn.execute(text("select version_num from alembic_version")).scalar() == "0001"
+        assert conn.execute(text("select version_num from alembic_version")).scalar() == SCHEMA_HEAD
     engine.dispose()
     assert Path(alembic_config().get_main_option("script_location"), "env.py").is_file()
 

@@ -111,7 +111,7 @@ def test_ok_reply_echo_usage_and_headers(server: FakeOpenAIServer, client: httpx
     }
     (rec,) = server.log
     assert rec == dataclasses.replace(
-        rec, seq=0, method="POST", path="/v1/chat/completions", key="hello world, how are you?",
+        rec, seq=0, method="POST", path="/v1/chat/completions", key="first question",
         outcome="ok", status=200, prompt_tokens=16, completion_tokens=completion,
     )
     assert rec.received_at <= rec.finished_at
@@ -445,7 +445,7 @@ def test_default_key_fn() -> None:
     assert default_key_fn({"messages": [
         {"role": "user", "content": "first"}, {"role": "assistant", "content": "x"},
         {"role": "user", "content": "last"}, {"role": "assistant", "content": "y"},
-    ]}) == "last"
+    ]}) == "first"
     assert default_key_fn({"messages": [{"role": "system", "content": "s"}]}) is None
     assert default_key_fn({"messages": [{"role": "user", "content": [{"type": "text"}]}]}) is None
     assert default_key_fn({}) is None
