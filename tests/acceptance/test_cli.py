@@ -176,7 +176,7 @@ def test_second_runner_exits_75_naming_the_holder(tmp_path: Path, server: FakeOp
     first.send_signal(signal.SIGINT)
     first.communicate(timeout=30)
     assert first.returncode == 75
-    finish = run_cli(tmp_path, "resume", "1", "--db", str(db))
+    finish = run_cli(tmp_path, "resume", "1", "--db", str(db), "--concurrency", "64")
     assert finish.returncode == 0, finish.stderr
     assert set(server.requests_by_key().values()) == {1}
 
