@@ -37,5 +37,5 @@ def start_cli(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
 
 @pytest.fixture
 def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(Faults(seed=3)) as srv:
+    with FakeOpenAIServer(Faults(seed=3), record_bodies=True) as srv:
         yield srv

@@ -235,3 +235,83 @@ def test_demo_runs_the_bundled_job(tmp_path: Path) -> None:
     lines = [orjson.loads(x) for x in path.read_bytes().splitlines()]
     assert len(lines) == 200 and {x["status"] for x in lines} == {"succeeded"}
     assert (tmp_path / "home" / ".local" / "share" / "batchrun" / "ledger.db").is_file()
+
+
+TRIAGE_LIKE = """
+[provider]
+base_url = "{base_url}"
+model = "m"
+[request]
+template = "Say {{text}}"
+max_tokens = {max_tokens}
+[output]
+schema = "s.json"
+validation_retries = 0
+"""
+
+
+def test_structured_retry_with_more_tokens_and_revalidate(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}
+    (tmp_path / "s.json").write_bytes(orjson.dumps(schema))
+    spec = tmp_path / "job.toml"
+    spec.write_text(TRIAGE_LIKE.format(base_url=server.base_url, max_tokens=2))
+    records, db = write_records(tmp_path, 4), tmp_path / "l.db"
+    first = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--json")
+    assert first.returncode == 1
+    assert orjson.loads(first.stdout)["counts"]["invalid_output"] == 4
+    status = orjson.loads(run_cli(tmp_path, "status", "1", "--json", "--db", str(db)).stdout)
+    assert status["errors"] == {"truncated": 4}
+    retried = run_cli(tmp_path, "retry", "1", "--db", str(db), "--where", "error_class=truncated", "--max-tokens", "300")
+    assert "4 items of job 1 back to pending" in retried.stdout
+    out = tmp_path / "out.jsonl"
+    resumed = run_cli(tmp_path, "resume", "1", "--db", str(db), "--output", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    assert server.bodies[-1]["max_tokens"] == 300 and server.bodies[0]["max_tokens"] == 2
+    first_line = orjson.loads(out.read_bytes().splitlines()[0])
+    assert first_line["output"] == {"a": "echo: Say hello 0"}
+
+    stricter = tmp_path / "stricter.json"
+    stricter.write_bytes(orjson.dumps({**schema, "properties": {"a": {"type": "string", "maxLength": 3}}}))
+    sent = len(server.log)
+    reval = run_cli(tmp_path, "revalidate", "1", "--db", str(db), "--schema", str(stricter))
+    assert reval.returncode == 0, reval.stderr
+    assert "checked 4: 0 now succeeded, 4 now invalid_output" in reval.stdout
+    back = run_cli(tmp_path, "revalidate", "1", "--db", str(db), "--json")
+    assert orjson.loads(back.stdout)["to_succeeded"] == ["r0", "r1", "r2", "r3"]
+    assert len(server.log) == sent
+    bad = run_cli(tmp_path, "revalidate", "1", "--db", str(db), "--schema", str(records))
+    assert bad.returncode == 2 and "not valid JSON" in bad.stderr
+
+
+def test_bad_schema_in_spec_is_refused_before_sending(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    (tmp_path / "s.json").write_text('{"type": "object", "properties": {"a": {"type": "strin"}}}')
+    spec = tmp_path / "job.toml"
+    spec.write_text(TRIAGE_LIKE.format(base_url=server.base_url, max_tokens=5))
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(write_records(tmp_path, 2)), "--db", str(tmp_path / "l.db"))
+    assert proc.returncode == 2
+    assert f"{tmp_path / 's.json'}: not a valid JSON Schema (draft 2020-12): schema.properties.a.type" in proc.stderr
+    assert len(server.log) == 0
+
+
+def test_non_strict_schema_warns(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    (tmp_path / "s.json").write_text('{"type": "object", "properties": {"a": {"type": "string"}}}')
+    spec = tmp_path / "job.toml"
+    spec.write_text(TRIAGE_LIKE.format(base_url=server.base_url, max_tokens=50))
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(write_records(tmp_path, 2)), "--db", str(tmp_path / "l.db"))
+    assert proc.returncode == 0, proc.stderr
+    assert "strict = false (schema: objects need additionalProperties = false)" in proc.stderr
+    assert server.bodies[0]["response_format"]["json_schema"]["strict"] is False
+
+
+def test_demo_triage(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "demo", "--job", "triage", timeout=180)
+    assert proc.returncode in (0, 1), proc.stderr
+    output_line = next(line for line in proc.stdout.splitlines() if line.startswith("output: "))
+    path = Path(output_line.removeprefix("output: ").split(" (")[0])
+    lines = [orjson.loads(x) for x in path.read_bytes().splitlines()]
+    assert len(lines) == 50
+    for line in lines:
+        if line["status"] == "succeeded":
+            assert line["output"]["category"] in ("billing", "bug", "account", "feature_request", "shipping", "other")
+        else:
+            assert line["status"] == "invalid_output" and line["error"]["class"] in ("truncated", "schema_invalid")
