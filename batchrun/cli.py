@@ -335,7 +335,7 @@ def list_jobs(as_json: bool, db: str | None) -> None:
     if not rows:
         click.echo("no jobs")
     for r in rows:
-        c = r["counts"]
+        c: dict[str, int] = r["counts"]  # type: ignore[assignment]
         click.echo(
             f"{r['job_id']:>5}  {r['total']:>8} items  succeeded {c['succeeded']}  pending {c['pending'] + c['running']}"
             f"  failed {c['failed'] + c['invalid_output']}  rejected {c['rejected']}  {r['name'] or r['input']}"

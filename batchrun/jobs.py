@@ -174,7 +174,7 @@ def revalidate_job(ledger: Ledger, job_id: int, schema: Mapping[str, Any] | None
     if schema is None:
         raise UsageError(f"job {job_id} has no output schema; pass one with --schema")
     validator = OutputValidator(schema)
-    changes = []
+    changes: list[tuple[int, str, str | None, str | None, str | None, str | None]] = []
     to_succeeded: list[str] = []
     to_invalid: list[str] = []
     checked = skipped = 0

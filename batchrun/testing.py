@@ -743,8 +743,9 @@ def _json_schema(body: dict[str, Any]) -> dict[str, Any] | None:
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         inner = fmt.get("json_schema")
-        if isinstance(inner, dict) and isinstance(inner.get("schema"), dict):
-            return inner["schema"]
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if isinstance(schema, dict):
+            return schema
     return None
 
 

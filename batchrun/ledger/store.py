@@ -7,10 +7,10 @@ import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
-from sqlalchemy import Engine, bindparam, func, insert, select, update
+from sqlalchemy import Engine, Table, bindparam, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from batchrun.errors import JobLockedError, JobNotFoundError
@@ -18,11 +18,11 @@ from batchrun.ledger.engine import open_engine
 from batchrun.ledger.models import Attempt, Export, Item, ItemState, Job, Run
 from batchrun.spec import JobSpec
 
-jobs_t = Job.__table__
-items_t = Item.__table__
-attempts_t = Attempt.__table__
-runs_t = Run.__table__
-exports_t = Export.__table__
+jobs_t = cast(Table, Job.__table__)
+items_t = cast(Table, Item.__table__)
+attempts_t = cast(Table, Attempt.__table__)
+runs_t = cast(Table, Run.__table__)
+exports_t = cast(Table, Export.__table__)
 
 
 @dataclass(frozen=True)
@@ -561,7 +561,7 @@ class Ledger:
                     )
                 ).scalars()
             )
-            errors = dict(
+            errors: dict[Any, int] = dict(
                 conn.execute(
                     select(items_t.c.error_class, func.count())
                     .where(
@@ -576,7 +576,7 @@ class Ledger:
                     attempts_t.c.job_id == job_id
                 )
             ).one()
-            attempt_errors = dict(
+            attempt_errors: dict[Any, int] = dict(
                 conn.execute(
                     select(attempts_t.c.error_class, func.count())
                     .where(attempts_t.c.job_id == job_id, attempts_t.c.error_class.is_not(None))

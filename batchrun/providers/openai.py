@@ -136,13 +136,15 @@ class OpenAIProvider:
         refusal: str | None = None
         choices = data.get("choices")
         if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            message = choices[0].get("message") or {}
-            if isinstance(message, dict):
-                content_value = message.get("content")
+            answer = choices[0].get("message")
+            if isinstance(answer, dict):
+                content_value = answer.get("content")
                 output = content_value if isinstance(content_value, str) else None
-                refusal = message.get("refusal") if isinstance(message.get("refusal"), str) else None
+                refusal_value = answer.get("refusal")
+                refusal = refusal_value if isinstance(refusal_value, str) else None
             finish_reason = choices[0].get("finish_reason")
-        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+        usage_value = data.get("usage")
+        usage: dict[str, Any] = usage_value if isinstance(usage_value, dict) else {}
         return Reply(
             status_code=status_code,
             body=text,
