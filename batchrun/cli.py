@@ -73,6 +73,8 @@ def override_options(fn: F) -> F:
             click.option("--concurrency", type=click.IntRange(min=1), default=None, help="Max requests in flight."),
             click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Max attempts per item."),
             click.option("--timeout", type=click.FloatRange(min=0.001), default=None, help="Total seconds per attempt."),
+            click.option("--rpm", type=click.FloatRange(min=0), default=None, help="Requests per minute for the job (0: no limit)."),
+            click.option("--tpm", type=click.FloatRange(min=0), default=None, help="Tokens per minute for the job (0: no limit)."),
             click.option("--transport", type=click.Choice(["aiohttp", "httpx"]), default="aiohttp", hidden=True),
             click.option("--quiet", "-q", is_flag=True, help="No progress display."),
         ]
@@ -88,6 +90,8 @@ def _overrides(kw: dict[str, Any]) -> Overrides:
         concurrency=kw.get("concurrency"),
         max_attempts=kw.get("max_attempts"),
         timeout=kw.get("timeout"),
+        rpm=kw.get("rpm"),
+        tpm=kw.get("tpm"),
     )
 
 

@@ -85,6 +85,10 @@ class AdaptiveConcurrency:
             self.window = min(float(self.limit), self.window + 1.0 / self.window)
         self._wake()
 
+    def pause(self, seconds: float) -> None:
+        """Send nothing for ``seconds`` (the provider said its budget resets then)."""
+        self.paused_until = max(self.paused_until, time.monotonic() + seconds)
+
     def on_rate_limited(self, retry_after: float | None) -> None:
         """A 429: halve the window (once per burst) and pause everyone."""
         now = time.monotonic()
@@ -95,3 +99,82 @@ class AdaptiveConcurrency:
             self._last_decrease = now
         pause = retry_after if retry_after is not None else DEFAULT_PAUSE_S
         self.paused_until = max(self.paused_until, now + pause)
+
+
+class TokenBucket:
+    """A budget per minute (requests or tokens), paced smoothly.
+
+    Pacing is smooth rather than bursty because providers may enforce their
+    limits over windows shorter than a minute: the bucket holds at most
+    ``burst_seconds`` worth of budget, and runs at ``safety`` × the configured
+    rate so jitter on the way does not push a window over. A take larger than
+    the bucket waits for a full bucket and leaves it in debt, so a big request
+    is never starved. :meth:`settle` corrects an estimate once the real cost
+    is known (tokens from ``usage``).
+    """
+
+    def __init__(self, per_minute: float, *, burst_seconds: float = 0.05, safety: float = 0.985) -> None:
+        self.per_minute = per_minute
+        self.full_rate = per_minute / 60.0 * safety
+        self.rate = self.full_rate
+        self.capacity = max(1.0, self.rate * burst_seconds)
+        self.tokens = self.capacity
+        self._updated = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self._updated) * self.rate)
+        self._updated = now
+
+    async def take(self, amount: float = 1.0) -> None:
+        """Wait until ``amount`` may be spent, then spend it (first come, first served)."""
+        async with self._lock:
+            while True:
+                self._refill()
+                need = min(amount, self.capacity)
+                if self.tokens >= need:
+                    self.tokens -= amount
+                    return
+                # Short naps: a settle() may refund budget while we wait.
+                await asyncio.sleep(min(0.05, (need - self.tokens) / self.rate))
+
+    def settle(self, estimated: float, actual: float) -> None:
+        """The request cost ``actual``, not ``estimated``: give back or charge the difference."""
+        self._refill()
+        self.tokens = min(self.capacity, self.tokens + estimated - actual)
+
+    def slow_down(self) -> None:
+        """A 429 despite pacing: the real limit is lower than configured, or shared. Back off."""
+        self.rate = max(self.full_rate * 0.25, self.rate * 0.8)
+
+    def recover(self) -> None:
+        if self.rate < self.full_rate:
+            self.rate = min(self.full_rate, self.rate * 1.01)
+
+
+def parse_reset(value: str | None) -> float | None:
+    """OpenAI's ``x-ratelimit-reset-*`` durations (``"1s"``, ``"6m0s"``, ``"20ms"``) in seconds."""
+    if not value:
+        return None
+    total, number = 0.0, ""
+    i = 0
+    try:
+        while i < len(value):
+            ch = value[i]
+            if ch.isdigit() or ch == ".":
+                number += ch
+            elif value.startswith("ms", i):
+                total += float(number) / 1000.0
+                number, i = "", i + 1
+            elif ch in "hms":
+                total += float(number) * {"h": 3600.0, "m": 60.0, "s": 1.0}[ch]
+                number = ""
+            else:
+                return None
+            i += 1
+        if number:
+            total += float(number)
+    except ValueError:
+        return None
+    return total

@@ -40,7 +40,8 @@ from tenacity.wait import wait_base
 from batchrun.errors import AuthError, OutputInvalidError, ProviderError, RateLimitedError, RetryableError
 from batchrun.ledger import AttemptRecord, ClaimedItem, ItemState, JobRecord, Ledger, Outcome
 from batchrun.providers import Provider, Reply, make_client, send
-from batchrun.ratelimit import AdaptiveConcurrency
+from batchrun.providers.base import RateLimits
+from batchrun.ratelimit import AdaptiveConcurrency, TokenBucket
 from batchrun.spec import JobSpec
 from batchrun.validate import OutputValidator, feedback
 
@@ -154,6 +155,8 @@ class JobRunner:
         self._rng = random.Random()
         self.controller = AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency)
         self.validator = OutputValidator(spec.output.schema) if spec.output.schema is not None else None
+        self.request_budget = TokenBucket(spec.run.rpm) if spec.run.rpm > 0 else None
+        self.token_budget = TokenBucket(spec.run.tpm) if spec.run.tpm > 0 else None
         self._crash: BaseException | None = None
         self._held_slots = 0
         self._latencies: deque[float] = deque(maxlen=2000)
@@ -331,7 +334,19 @@ class JobRunner:
     async def _attempt(self, work: _ItemWork) -> Reply:
         if self.stopping:
             raise _Stopped
+        request = self.provider.prepare(
+            work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
+        )
+        estimate = self.provider.estimate_tokens(request) if self.token_budget else 0
         await self.controller.acquire()
+        try:
+            if self.request_budget:
+                await self.request_budget.take(1)
+            if self.token_budget:
+                await self.token_budget.take(estimate)
+        except BaseException:
+            self.controller.release()
+            raise
         if self.stopping:
             self.controller.release()
             raise _Stopped
@@ -343,9 +358,6 @@ class JobRunner:
         error: ProviderError | None = None
         reply: Reply | None = None
         try:
-            request = self.provider.prepare(
-                work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
-            )
             reply = await send(self._http(), self.provider, request, total_timeout=self._attempt_timeout)
         except ProviderError as exc:
             error = exc
@@ -359,13 +371,24 @@ class JobRunner:
         # else: a clean answer keeps its slot until the writer has committed it, so
         # answers paid for but not yet in the ledger never exceed the concurrency.
         latency_ms = (time.perf_counter() - t0) * 1000.0
+        if self.token_budget:
+            used = (reply.input_tokens or 0) + (reply.output_tokens or 0) if reply else 0
+            self.token_budget.settle(estimate, used if reply else estimate)
+        if reply is not None and reply.limits is not None:
+            self._obey_headers(reply.limits)
         if isinstance(error, RateLimitedError):
             work.rate_limited += 1
             self.controller.on_rate_limited(error.retry_after)
+            for budget in (self.request_budget, self.token_budget):
+                if budget:
+                    budget.slow_down()
         elif not isinstance(error, AuthError):
             work.counted += 1
             if error is None:
                 self.controller.on_success()
+                for budget in (self.request_budget, self.token_budget):
+                    if budget:
+                        budget.recover()
                 self._note_latency(time.perf_counter() - t0)
         record = AttemptRecord(
                 job_id=self.job.id,
@@ -393,6 +416,15 @@ class JobRunner:
         work.input_tokens += reply.input_tokens or 0
         work.output_tokens += reply.output_tokens or 0
         return reply
+
+    def _obey_headers(self, limits: RateLimits) -> None:
+        """The provider says its budget is spent: pause everyone until it resets."""
+        for remaining, reset in (
+            (limits.remaining_requests, limits.reset_requests_s),
+            (limits.remaining_tokens, limits.reset_tokens_s),
+        ):
+            if remaining is not None and remaining <= 0 and reset:
+                self.controller.pause(reset)
 
     def _note_latency(self, seconds: float) -> None:
         """Track clean-answer latencies; once there are enough, cut hung requests early.

@@ -116,6 +116,8 @@ class RunSpec:
     grace_seconds: float = 30.0
     hang_factor: float = 10.0
     hang_min_seconds: float = 10.0
+    rpm: float = 0.0  # requests per minute for the job; 0 = no limit
+    tpm: float = 0.0  # tokens per minute (prompt estimate + max_tokens, corrected from usage); 0 = no limit
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,8 @@ class Overrides:
     concurrency: int | None = None
     max_attempts: int | None = None
     timeout: float | None = None
+    rpm: float | None = None
+    tpm: float | None = None
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,7 @@ class JobSpec:
         run = self.run
         changes = {
             k: getattr(overrides, k)
-            for k in ("concurrency", "max_attempts", "timeout")
+            for k in ("concurrency", "max_attempts", "timeout", "rpm", "tpm")
             if getattr(overrides, k) is not None
         }
         if changes:
@@ -383,7 +387,7 @@ def _check_run(run: RunSpec, where: str) -> None:
     for key in ("timeout", "connect_timeout", "lease_seconds"):
         if getattr(run, key) <= 0:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number of seconds > 0")
-    for key in ("grace_seconds", "hang_factor", "hang_min_seconds"):
+    for key in ("grace_seconds", "hang_factor", "hang_min_seconds", "rpm", "tpm"):
         if getattr(run, key) < 0:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number >= 0")
 

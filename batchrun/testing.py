@@ -99,6 +99,9 @@ class Faults:
     burst_429_period_s: float = 0.0  # > 0: each period (from server start) begins with...
     burst_429_duration_s: float = 0.0  # ...this many seconds of 429s for every request
     rpm_limit: int | None = None  # accepted requests per sliding 60 s window
+    # Enforce rpm_limit over a shorter sliding window, scaled (1.0: at most rpm_limit/60 per second),
+    # as providers may do.
+    rpm_window_s: float = 60.0
     seed: int | None = None  # random.Random(seed); changing it while running reseeds
 
 
@@ -539,7 +542,7 @@ class FakeOpenAIServer:
                 outcome, status = "429", 429
                 extra = _retry_after_headers(burst_left)
             else:
-                wait = self._rpm_take(f.rpm_limit, now_m) if f.rpm_limit is not None else 0.0
+                wait = self._rpm_take(f.rpm_limit, now_m, f.rpm_window_s) if f.rpm_limit is not None else 0.0
                 if wait > 0:
                     outcome, status = "429", 429
                     extra = _retry_after_headers(wait)
@@ -563,7 +566,7 @@ class FakeOpenAIServer:
                     outcome, status = "ok", 200
         if f.rpm_limit is not None:
             extra += b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n" % (
-                f.rpm_limit, self._rpm_remaining(f.rpm_limit, now_m))
+                f.rpm_limit, self._rpm_remaining(f.rpm_limit, now_m, f.rpm_window_s))
 
         def record(outcome: str, status: int | None, completion_tokens: int = 0, fault: str | None = None) -> None:
             self._record(RequestRecord(
@@ -622,26 +625,27 @@ class FakeOpenAIServer:
                 pass
         writer.transport.abort()
 
-    def _rpm_take(self, limit: int, now: float) -> float:
+    def _rpm_take(self, limit: int, now: float, window_s: float = _RPM_WINDOW_S) -> float:
         """Take a slot in the sliding window; returns 0.0 or the seconds until one frees."""
         window = self._rpm_window
-        cutoff = now - _RPM_WINDOW_S
+        allowed = _window_allowance(limit, window_s)
+        cutoff = now - window_s
         while window and window[0] <= cutoff:
             window.popleft()
-        if limit <= 0:
-            return _RPM_WINDOW_S
-        if len(window) < limit:
+        if allowed <= 0:
+            return window_s
+        if len(window) < allowed:
             window.append(now)
             return 0.0
-        # the slot frees when the entry `limit` places from the end leaves the window
-        return max(window[-limit] + _RPM_WINDOW_S - now, 0.001)
+        # the slot frees when the entry `allowed` places from the end leaves the window
+        return max(window[-allowed] + window_s - now, 0.001)
 
-    def _rpm_remaining(self, limit: int, now: float) -> int:
+    def _rpm_remaining(self, limit: int, now: float, window_s: float = _RPM_WINDOW_S) -> int:
         window = self._rpm_window
-        cutoff = now - _RPM_WINDOW_S
+        cutoff = now - window_s
         while window and window[0] <= cutoff:
             window.popleft()
-        return max(limit - len(window), 0)
+        return max(_window_allowance(limit, window_s) - len(window), 0)
 
     @staticmethod
     def _prompt_tokens(body: dict[str, Any]) -> int:
@@ -739,6 +743,11 @@ class FakeOpenAIServer:
         return orjson.dumps(payload), completion_tokens
 
 
+def _window_allowance(rpm: int, window_s: float) -> int:
+    """Requests allowed per sliding window of ``window_s`` for a per-minute limit."""
+    return int(rpm * window_s / _RPM_WINDOW_S)
+
+
 def _json_schema(body: dict[str, Any]) -> dict[str, Any] | None:
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
@@ -805,6 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--latency", type=float, default=0.0, help="seconds added per request")
     serve.add_argument("--jitter", type=float, default=0.0, help="uniform extra 0..JITTER s")
     serve.add_argument("--rpm", type=int, default=None, help="sliding 60 s request limit")
+    serve.add_argument("--rpm-window", type=float, default=60.0,
+                       help="enforce --rpm over this sliding window in seconds, scaled (1: per second)")
     serve.add_argument("--retry-after", type=float, default=1.0,
                        help="Retry-After seconds on random 429s (negative -> no header)")
     for name in ("429", "500", "503", "reset", "hang", "bad-body", "truncated"):
@@ -823,7 +834,8 @@ def main(argv: list[str] | None = None) -> int:
         p_500=args.p_500, p_503=args.p_503, p_reset=args.p_reset, p_hang=args.p_hang,
         p_bad_body=args.p_bad_body, p_truncated=args.p_truncated,
         status_override=args.status, burst_429_period_s=args.burst_period,
-        burst_429_duration_s=args.burst_duration, rpm_limit=args.rpm, seed=args.seed,
+        burst_429_duration_s=args.burst_duration, rpm_limit=args.rpm, rpm_window_s=args.rpm_window,
+        seed=args.seed,
     )
     stop = threading.Event()
 

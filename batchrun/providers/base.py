@@ -34,6 +34,16 @@ class PreparedRequest:
 
 
 @dataclass(frozen=True)
+class RateLimits:
+    """What the provider's rate-limit headers said about the budget left."""
+
+    remaining_requests: int | None = None
+    reset_requests_s: float | None = None
+    remaining_tokens: int | None = None
+    reset_tokens_s: float | None = None
+
+
+@dataclass(frozen=True)
 class Reply:
     """A successful answer, parsed."""
 
@@ -45,6 +55,7 @@ class Reply:
     output_tokens: int | None
     request_id: str | None
     refusal: str | None = None
+    limits: RateLimits | None = None
 
 
 class Provider(Protocol):
@@ -79,6 +90,10 @@ class Provider(Protocol):
 
     def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
         """A Reply for a 2xx answer; raise the right ProviderError otherwise."""
+        ...
+
+    def estimate_tokens(self, request: PreparedRequest) -> int:
+        """Tokens a request may use at most, before it is sent (prompt estimate + max_tokens)."""
         ...
 
 

@@ -10,11 +10,13 @@ import httpx
 import orjson
 
 from batchrun.errors import RetryableError
-from batchrun.providers.base import PreparedRequest, Reply, error_for_status, json_or_none
+from batchrun.providers.base import PreparedRequest, RateLimits, Reply, error_for_status, json_or_none
+from batchrun.ratelimit import parse_reset
 from batchrun.spec import JobSpec
 from batchrun.validate import strict_problem
 
 CHAT_PATH = "/chat/completions"
+DEFAULT_ANSWER_TOKENS = 1024  # assumed answer size when a request sets no max_tokens
 
 
 class OpenAIProvider:
@@ -154,7 +156,33 @@ class OpenAIProvider:
             output_tokens=_int_or_none(usage.get("completion_tokens")),
             request_id=headers.get("x-request-id"),
             refusal=refusal,
+            limits=self.rate_limits(headers),
         )
+
+    @staticmethod
+    def rate_limits(headers: httpx.Headers) -> RateLimits | None:
+        """``x-ratelimit-remaining-*`` / ``x-ratelimit-reset-*``, when the server sends them."""
+        if "x-ratelimit-remaining-requests" not in headers and "x-ratelimit-remaining-tokens" not in headers:
+            return None
+        return RateLimits(
+            remaining_requests=_int_header(headers.get("x-ratelimit-remaining-requests")),
+            reset_requests_s=parse_reset(headers.get("x-ratelimit-reset-requests")),
+            remaining_tokens=_int_header(headers.get("x-ratelimit-remaining-tokens")),
+            reset_tokens_s=parse_reset(headers.get("x-ratelimit-reset-tokens")),
+        )
+
+    def estimate_tokens(self, request: PreparedRequest) -> int:
+        """A documented heuristic: ~4 bytes of request JSON per prompt token, plus the answer's limit."""
+        data = orjson.loads(request.content)
+        limit = data.get("max_completion_tokens") or data.get("max_tokens") or DEFAULT_ANSWER_TOKENS
+        return len(request.content) // 4 + int(limit)
+
+
+def _int_header(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _int_or_none(value: Any) -> int | None:

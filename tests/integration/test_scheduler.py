@@ -302,3 +302,34 @@ def test_resume_knows_the_jobs_latency_from_the_ledger(
     assert summary.exit_code == EXIT_OK
     assert any(r.outcome == "hang" for r in server.log)
     assert time.monotonic() - started < 30  # cut after ~0.5 s, not the 120 s timeout
+
+
+@pytest.mark.parametrize("window_s", [60.0, 1.0])
+def test_rpm_budget_paces_below_the_servers_limit(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path], window_s: float
+) -> None:
+    server.faults = Faults(latency_s=0.01, rpm_limit=1200, rpm_window_s=window_s)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(150)), concurrency=32, rpm=1200)
+    started = time.monotonic()
+    summary = run(ledger, job_id)
+    elapsed = time.monotonic() - started
+    assert summary.exit_code == EXIT_OK
+    assert sum(r.status == 429 for r in server.log) == 0
+    rate = 150 / elapsed * 60
+    assert 0.85 * 1200 < rate <= 1200  # close to the limit, never over it
+
+
+def test_tpm_budget_is_charged_from_usage(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+    server.faults = Faults(latency_s=0.005)
+    lines = batch_lines(40)
+    for line in lines:
+        line["body"]["max_tokens"] = 50  # type: ignore[index]
+    job_id = submit(ledger, server, write_jsonl(lines), concurrency=16, tpm=6000)  # 100 tokens/s
+    started = time.monotonic()
+    assert run(ledger, job_id).exit_code == EXIT_OK
+    elapsed = time.monotonic() - started
+    used = sum(r.prompt_tokens + r.completion_tokens for r in server.log)
+    # Requests are admitted on an estimate (~100 tokens each) and settled on usage (~5 each),
+    # so the run is paced by what was really used, not by the worst case.
+    assert used / elapsed <= 100 * 1.1
+    assert elapsed < 15
