@@ -74,6 +74,8 @@ def override_options(fn: F) -> F:
             click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Max attempts per item."),
             click.option("--timeout", type=click.FloatRange(min=0.001), default=None, help="Total seconds per attempt."),
             click.option("--rpm", type=click.FloatRange(min=0), default=None, help="Requests per minute for the job (0: no limit)."),
+            click.option("--max-runtime", type=Duration(), default=None,
+                         help="Stop cleanly after this long (e.g. 30m, 2h): exit 75 with work left, resume later."),
             click.option("--tpm", type=click.FloatRange(min=0), default=None, help="Tokens per minute for the job (0: no limit)."),
             click.option("--transport", type=click.Choice(["aiohttp", "httpx"]), default="aiohttp", hidden=True),
             click.option("--quiet", "-q", is_flag=True, help="No progress display."),
@@ -92,7 +94,22 @@ def _overrides(kw: dict[str, Any]) -> Overrides:
         timeout=kw.get("timeout"),
         rpm=kw.get("rpm"),
         tpm=kw.get("tpm"),
+        max_runtime=kw.get("max_runtime"),
     )
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """``90``, ``90s``, ``30m``, ``1h30m``: seconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        from batchrun.ratelimit import parse_reset
+
+        seconds = parse_reset(str(value).strip())
+        if seconds is None or seconds <= 0:
+            self.fail(f"{value!r} is not a duration (e.g. 90s, 30m, 2h, 1h30m)", param, ctx)
+        return seconds
 
 
 def _open(db: str | None) -> Ledger:

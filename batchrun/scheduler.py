@@ -206,6 +206,14 @@ class JobRunner:
             owns_client = self._client is None
             if self._client is None:
                 self._client = make_client(self.spec, transport=self.options.transport)
+            deadline = None
+            if self.spec.run.max_runtime > 0:
+                deadline = asyncio.get_running_loop().call_later(
+                    self.spec.run.max_runtime,
+                    self.request_stop,
+                    "deadline",
+                    f"--max-runtime of {self.spec.run.max_runtime:g} s reached",
+                )
             try:
                 writer = asyncio.create_task(self._writer(), name="batchrun-writer")
                 try:
@@ -215,6 +223,8 @@ class JobRunner:
                     self._flush_now.set()
                     await writer
             finally:
+                if deadline is not None:
+                    deadline.cancel()
                 if owns_client:
                     await self._client.aclose()
                     self._client = None

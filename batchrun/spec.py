@@ -118,6 +118,7 @@ class RunSpec:
     hang_min_seconds: float = 10.0
     rpm: float = 0.0  # requests per minute for the job; 0 = no limit
     tpm: float = 0.0  # tokens per minute (prompt estimate + max_tokens, corrected from usage); 0 = no limit
+    max_runtime: float = 0.0  # seconds a run may work before it stops cleanly (exit 75); 0 = no limit
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ class Overrides:
     timeout: float | None = None
     rpm: float | None = None
     tpm: float | None = None
+    max_runtime: float | None = None
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,7 @@ class JobSpec:
         run = self.run
         changes = {
             k: getattr(overrides, k)
-            for k in ("concurrency", "max_attempts", "timeout", "rpm", "tpm")
+            for k in ("concurrency", "max_attempts", "timeout", "rpm", "tpm", "max_runtime")
             if getattr(overrides, k) is not None
         }
         if changes:
@@ -387,7 +389,7 @@ def _check_run(run: RunSpec, where: str) -> None:
     for key in ("timeout", "connect_timeout", "lease_seconds"):
         if getattr(run, key) <= 0:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number of seconds > 0")
-    for key in ("grace_seconds", "hang_factor", "hang_min_seconds", "rpm", "tpm"):
+    for key in ("grace_seconds", "hang_factor", "hang_min_seconds", "rpm", "tpm", "max_runtime"):
         if getattr(run, key) < 0:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number >= 0")
 

@@ -315,3 +315,20 @@ def test_demo_triage(tmp_path: Path) -> None:
             assert line["output"]["category"] in ("billing", "bug", "account", "feature_request", "shipping", "other")
         else:
             assert line["status"] == "invalid_output" and line["error"]["class"] in ("truncated", "schema_invalid")
+
+
+def test_max_runtime_stops_cleanly_with_exit_75(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    server.faults = Faults(latency_s=0.1)
+    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 200), tmp_path / "l.db"
+    started = time.monotonic()
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--max-runtime", "2s")
+    assert proc.returncode == 75, proc.stderr
+    assert time.monotonic() - started < 15
+    assert "--max-runtime of 2 s reached" in proc.stderr and "batchrun resume 1" in proc.stderr
+    counts = orjson.loads(run_cli(tmp_path, "status", "1", "--json", "--db", str(db)).stdout)["counts"]
+    assert counts["running"] == 0 and 0 < counts["succeeded"] < 200
+    bad = run_cli(tmp_path, "resume", "1", "--db", str(db), "--max-runtime", "soon")
+    assert bad.returncode == 2 and "'soon' is not a duration" in bad.stderr
+    done = run_cli(tmp_path, "resume", "1", "--db", str(db), "--concurrency", "64")
+    assert done.returncode == 0
+    assert set(server.requests_by_key().values()) == {1}
