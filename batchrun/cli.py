@@ -328,6 +328,7 @@ def status(job: int | None, as_json: bool, db: str | None) -> None:
     click.echo("  states    " + "  ".join(f"{k} {v}" for k, v in counts.items()))
     click.echo(f"  requests  {data['requests']}")
     click.echo(f"  tokens    {data['tokens']['input']} in, {data['tokens']['output']} out")
+    click.echo(f"  cost      ${data['cost_usd']:.4f}")
     if lat["p50"] is not None:
         click.echo(f"  latency   p50 {lat['p50']:.0f} ms  p90 {lat['p90']:.0f} ms  p99 {lat['p99']:.0f} ms")
     if data["throughput_per_s"]:

@@ -50,10 +50,13 @@ def _error(row: ItemRow) -> dict[str, Any] | None:
     return error
 
 
-def _usage(row: ItemRow) -> dict[str, int] | None:
+def _usage(row: ItemRow) -> dict[str, Any] | None:
     if row.input_tokens is None and row.output_tokens is None:
         return None
-    return {"input_tokens": row.input_tokens or 0, "output_tokens": row.output_tokens or 0}
+    usage: dict[str, Any] = {"input_tokens": row.input_tokens or 0, "output_tokens": row.output_tokens or 0}
+    if row.cost_usd is not None:
+        usage["cost_usd"] = round(row.cost_usd, 8)
+    return usage
 
 
 def results_line(row: ItemRow, *, structured: bool = False) -> dict[str, Any]:

@@ -26,7 +26,7 @@ def _line(runner: JobRunner, todo: int) -> str:
     return (
         f"done {done}/{todo} ok={s.done['succeeded']} failed={s.done['failed']} "
         f"rate={rate:.1f}/s eta={eta} in_flight={s.in_flight} window={s.window}{paused} "
-        f"tokens={s.input_tokens}+{s.output_tokens} errors: {errors}"
+        f"tokens={s.input_tokens}+{s.output_tokens} cost=${s.cost_usd:.4f} errors: {errors}"
     )
 
 
@@ -60,7 +60,7 @@ async def show_progress(runner: JobRunner, todo: int, *, stream: TextIO | None =
             progress.update(
                 task,
                 completed=done,
-                detail=f"in flight {s.in_flight}/{s.window}  failed {s.done['failed']}  {errors}{paused}",
+                detail=f"in flight {s.in_flight}/{s.window}  ${s.cost_usd:.4f}  failed {s.done['failed']}  {errors}{paused}",
             )
             try:
                 await asyncio.sleep(0.2)

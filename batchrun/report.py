@@ -42,7 +42,8 @@ def job_status(ledger: Ledger, job_id: int) -> dict[str, Any]:
         "done": remaining == 0 and job.ingest_done,
         "counts": counts,
         "requests": stats["attempts"],
-        "tokens": {"input": stats["input_tokens"], "output": stats["output_tokens"]},
+        "tokens": {"input": stats["input_tokens"], "output": stats["output_tokens"], "cached": stats["cached_tokens"]},
+        "cost_usd": round(stats["cost_usd"], 6),
         "latency_ms": {
             "p50": percentile(lat, 50),
             "p90": percentile(lat, 90),

@@ -41,6 +41,7 @@ from batchrun.errors import AuthError, OutputInvalidError, ProviderError, RateLi
 from batchrun.ledger import AttemptRecord, ClaimedItem, ItemState, JobRecord, Ledger, Outcome
 from batchrun.providers import Provider, Reply, make_client, send
 from batchrun.providers.base import RateLimits
+from batchrun.pricing import Price, price_for
 from batchrun.ratelimit import AdaptiveConcurrency, TokenBucket
 from batchrun.spec import JobSpec
 from batchrun.validate import OutputValidator, feedback
@@ -78,6 +79,7 @@ class RunStats:
     errors: Counter[str] = field(default_factory=Counter)
     input_tokens: int = 0
     output_tokens: int = 0
+    cost_usd: float = 0.0
     in_flight: int = 0
     window: int = 0
     paused_for: float = 0.0
@@ -119,6 +121,7 @@ class _ItemWork:
     last_attempt: AttemptRecord | None = None
     input_tokens: int = 0
     output_tokens: int = 0
+    cost_usd: float = 0.0
 
 
 class JobRunner:
@@ -155,6 +158,8 @@ class JobRunner:
         self._rng = random.Random()
         self.controller = AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency)
         self.validator = OutputValidator(spec.output.schema) if spec.output.schema is not None else None
+        self.price = spec.price()
+        self._model_prices: dict[str, Price | None] = {}
         self.request_budget = TokenBucket(spec.run.rpm) if spec.run.rpm > 0 else None
         self.token_budget = TokenBucket(spec.run.tpm) if spec.run.tpm > 0 else None
         self._crash: BaseException | None = None
@@ -412,6 +417,8 @@ class JobRunner:
                 error_class=error.error_class if error else None,
                 input_tokens=reply.input_tokens if reply else None,
                 output_tokens=reply.output_tokens if reply else None,
+                cached_tokens=reply.cached_tokens if reply else None,
+                cost_usd=self._cost(reply) if reply else None,
         )
         self._attempts.append(record)
         work.last_attempt = record
@@ -425,7 +432,20 @@ class JobRunner:
         self.stats.output_tokens += reply.output_tokens or 0
         work.input_tokens += reply.input_tokens or 0
         work.output_tokens += reply.output_tokens or 0
+        work.cost_usd += record.cost_usd or 0.0
+        self.stats.cost_usd += record.cost_usd or 0.0
         return reply
+
+    def _cost(self, reply: Reply) -> float | None:
+        """USD of one answered attempt: the job's price, else the answering model's list price."""
+        price = self.price
+        if price is None and reply.model:
+            if reply.model not in self._model_prices:
+                self._model_prices[reply.model] = price_for(reply.model)
+            price = self._model_prices[reply.model]
+        if price is None:
+            return None
+        return price.cost(reply.input_tokens or 0, reply.output_tokens or 0, reply.cached_tokens or 0)
 
     def _obey_headers(self, limits: RateLimits) -> None:
         """The provider says its budget is spent: pause everyone until it resets."""
@@ -484,6 +504,7 @@ class JobRunner:
             outcome.request_id = reply.request_id
             outcome.input_tokens = work.input_tokens
             outcome.output_tokens = work.output_tokens
+            outcome.cost_usd = work.cost_usd
             outcome.latency_ms = work.last_attempt.latency_ms if work.last_attempt else None
             if parsed is not _NO_VALUE:
                 outcome.parsed = orjson.dumps(parsed).decode()

@@ -13,11 +13,14 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from batchrun.errors import SpecError
+
+if TYPE_CHECKING:
+    from batchrun.pricing import Price
 
 PROVIDER_KINDS = ("openai",)
 DEFAULT_API_KEY_ENV = {"openai": "OPENAI_API_KEY"}
@@ -133,6 +136,15 @@ class OutputSpec:
 
 
 @dataclass(frozen=True)
+class PricingSpec:
+    """``[pricing]``: USD per million tokens; unset keys fall back to the model's list price."""
+
+    input_per_million: float | None = None
+    output_per_million: float | None = None
+    cached_input_per_million: float | None = None
+
+
+@dataclass(frozen=True)
 class Overrides:
     """Run-time flags that win over the spec (``--base-url``, ``--model``, ...)."""
 
@@ -154,6 +166,7 @@ class JobSpec:
     request: RequestSpec
     run: RunSpec
     output: OutputSpec = field(default_factory=OutputSpec)
+    pricing: PricingSpec = field(default_factory=PricingSpec)
     name: str | None = None
     source: str = ""
     path: str | None = None
@@ -181,6 +194,7 @@ class JobSpec:
             request=RequestSpec(**req),
             run=RunSpec(**data["run"]),
             output=OutputSpec(**data.get("output", {})),
+            pricing=PricingSpec(**data.get("pricing", {})),
             name=data.get("name"),
             source=source,
             path=path,
@@ -191,6 +205,7 @@ class JobSpec:
         data = self.to_dict()
         data.pop("run")
         data.pop("name")
+        data.pop("pricing")
         data["output"].pop("schema_file")
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
@@ -212,6 +227,22 @@ class JobSpec:
             run = dataclasses.replace(run, **changes)
             _check_run(run, "command line")
         return dataclasses.replace(self, provider=provider, run=run)
+
+    def price(self) -> Price | None:
+        """USD per million tokens for this job: [pricing] over the model's list price."""
+        from batchrun.pricing import Price, price_for
+
+        listed = price_for(self.provider.model)
+        p = self.pricing
+        if p.input_per_million is None and p.output_per_million is None and p.cached_input_per_million is None:
+            return listed
+        return Price(
+            input=p.input_per_million if p.input_per_million is not None else (listed.input if listed else 0.0),
+            output=p.output_per_million if p.output_per_million is not None else (listed.output if listed else 0.0),
+            cached_input=p.cached_input_per_million
+            if p.cached_input_per_million is not None
+            else (listed.cached_input if listed else None),
+        )
 
     def user_templates(self) -> tuple[Template | None, tuple[tuple[str, Template], ...]]:
         """Compiled (system, messages) templates; raises SpecError on bad placeholders."""
@@ -254,7 +285,8 @@ def spec_for_batch_input(overrides: Overrides) -> JobSpec:
 
 
 _KNOWN = {
-    "": {"name", "provider", "request", "run", "output"},
+    "": {"name", "provider", "request", "run", "output", "pricing"},
+    "pricing": {"input_per_million", "output_per_million", "cached_input_per_million"},
     "output": {"schema", "name", "strict", "validation_retries"},
     "provider": {"kind", "base_url", "model", "api_key_env"},
     "request": {"system", "template", "messages", "max_tokens", "temperature", "extra"},
@@ -279,7 +311,10 @@ def parse_spec(
     request_t = _table(data, "request", where)
     run_t = _table(data, "run", where)
     output_t = _table(data, "output", where)
-    for name, table in (("provider", provider_t), ("request", request_t), ("run", run_t), ("output", output_t)):
+    pricing_t = _table(data, "pricing", where)
+    for name, table in (
+        ("provider", provider_t), ("request", request_t), ("run", run_t), ("output", output_t), ("pricing", pricing_t)
+    ):
         _check_keys(table, name, where)
 
     kind = _get(provider_t, "provider", "kind", str, where, "openai")
@@ -328,8 +363,17 @@ def parse_spec(
     _check_run(run, where)
 
     output = _parse_output(output_t, where, base_dir or Path.cwd())
+    prices: dict[str, float | None] = {}
+    for key in ("input_per_million", "output_per_million", "cached_input_per_million"):
+        value = _get(pricing_t, "pricing", key, float, where, None)
+        if value is not None and value < 0:
+            raise SpecError(f"{where}: [pricing] {key} = {value}: expected a price >= 0 (USD per million tokens)")
+        prices[key] = float(value) if value is not None else None
+    pricing = PricingSpec(**prices)
     name = _get(data, "", "name", str, where, None)
-    spec = JobSpec(provider=provider, request=request, run=run, output=output, name=name, source=source, path=path)
+    spec = JobSpec(
+        provider=provider, request=request, run=run, output=output, pricing=pricing, name=name, source=source, path=path
+    )
     try:
         spec.user_templates()  # compile now so placeholder errors surface at load time
     except SpecError as exc:

@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import selectors
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -339,9 +340,12 @@ class Ctx:
         return d
 
 
+EXTRA_ARGS: list[str] = []  # --extra-args: appended to every batchrun submit/resume command line
+
+
 def submit_cmd(inp: Path, db: Path, base_url: str, concurrency: int, extra: list[str] = ()) -> list[str]:
     return [BATCHRUN, "submit", "--input", str(inp), "--base-url", base_url, "--model", MODEL,
-            "--db", str(db), "--quiet", "--concurrency", str(concurrency), *extra]
+            "--db", str(db), "--quiet", "--concurrency", str(concurrency), *extra, *EXTRA_ARGS]
 
 
 def _throughput(ctx: Ctx, name: str, n: int, latency: float, concurrency: int,
@@ -501,7 +505,7 @@ def t4(ctx: Ctx) -> dict[str, Any]:
         (committed,), = sql(db, "select count(*) from items where state='succeeded'")
         committed_ids = {r[0] for r in sql(db, "select custom_id from items where state='succeeded'")}
         res_child = Child([BATCHRUN, "resume", str(job_id), "--db", str(db), "--quiet",
-                           "--concurrency", str(concurrency)], wd, "resume")
+                           "--concurrency", str(concurrency), *EXTRA_ARGS], wd, "resume")
         res = res_child.run(300)
     finally:
         for c in (sub, res_child):
@@ -635,7 +639,8 @@ def t6(ctx: Ctx) -> dict[str, Any]:
     try:
         # The job was ingested with a dummy base URL: point the resume at the fake server.
         child = Child([BATCHRUN, "resume", str(driver["job_id"]), "--db", str(db), "--quiet",
-                       "--base-url", srv.base_url, "--concurrency", str(concurrency)], wd, "resume")
+                       "--base-url", srv.base_url, "--concurrency", str(concurrency), *EXTRA_ARGS],
+                      wd, "resume")
         res = child.run(600)
     finally:
         if child is not None:
@@ -680,6 +685,8 @@ def main() -> int:
                          "figures of a profiled run are not comparable")
     ap.add_argument("--kill-delay", type=float, default=0.0,
                     help="t4: SIGKILL this many seconds after 50%% are seen succeeded (default 0)")
+    ap.add_argument("--extra-args", default="",
+                    help="extra arguments for every batchrun submit/resume, e.g. '--transport httpx'")
     ap.add_argument("--keep-big", action="store_true", help="keep T5/T6 inputs and ledgers (~0.5 GB each)")
     args = ap.parse_args()
     names = list(SCENARIOS) if "all" in args.scenarios else args.scenarios
@@ -689,6 +696,7 @@ def main() -> int:
         bad = [s for s in names if s not in PROFILABLE]
         if bad:
             ap.error(f"--profile supports {sorted(PROFILABLE)}, not {bad}")
+    EXTRA_ARGS.extend(shlex.split(args.extra_args))
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(args.out, args.profile, args.keep_big, args.kill_delay)
     meta = {**machine(), **code_fingerprint()}
@@ -701,7 +709,8 @@ def main() -> int:
             except Exception as exc:  # record the failure, go on with the next scenario
                 figures = {"error": f"{type(exc).__name__}: {exc}", "met": False}
                 failures += 1
-            line = {"scenario": name, "started": started, "profiled": args.profile, **figures, "machine": meta}
+            line = {"scenario": name, "started": started, "profiled": args.profile,
+                    "extra_args": args.extra_args, **figures, "machine": meta}
             text = json.dumps(line, sort_keys=False)
             print(text, flush=True)
             with open(args.out / "results.jsonl", "a") as f:

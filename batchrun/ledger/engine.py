@@ -16,7 +16,7 @@ from batchrun.errors import LedgerError
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # The newest migration under migrations/versions (a test checks they agree). Knowing it
 # here lets an up-to-date ledger open without importing Alembic, which costs ~0.6 s.
-SCHEMA_HEAD = "0002"
+SCHEMA_HEAD = "0003"
 
 
 def default_db_path() -> Path:

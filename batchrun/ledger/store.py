@@ -80,6 +80,7 @@ class Outcome:
     output_tokens: int | None = None
     latency_ms: float | None = None
     finished_at: float | None = None
+    cost_usd: float | None = None
 
 
 @dataclass
@@ -97,6 +98,8 @@ class AttemptRecord:
     error_class: str | None
     input_tokens: int | None = None
     output_tokens: int | None = None
+    cached_tokens: int | None = None
+    cost_usd: float | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class ItemRow:
     parsed: str | None = None
     validation_errors: str | None = None
     item_id: int = 0
+    cost_usd: float | None = None
 
 
 def _bind(outcome: Outcome) -> dict[str, Any]:
@@ -431,6 +435,7 @@ class Ledger:
                             output_tokens=bindparam("b_output_tokens"),
                             latency_ms=bindparam("b_latency_ms"),
                             finished_at=bindparam("b_finished_at"),
+                            cost_usd=bindparam("b_cost_usd"),
                             lease_owner=None,
                             lease_expires=None,
                         ),
@@ -550,6 +555,8 @@ class Ledger:
                 select(
                     func.coalesce(func.sum(attempts_t.c.input_tokens), 0),
                     func.coalesce(func.sum(attempts_t.c.output_tokens), 0),
+                    func.coalesce(func.sum(attempts_t.c.cost_usd), 0.0),
+                    func.coalesce(func.sum(attempts_t.c.cached_tokens), 0),
                 ).where(attempts_t.c.job_id == job_id)
             ).one()
             latencies = sorted(
@@ -586,6 +593,8 @@ class Ledger:
         return {
             "input_tokens": int(tokens[0]),
             "output_tokens": int(tokens[1]),
+            "cost_usd": float(tokens[2]),
+            "cached_tokens": int(tokens[3]),
             "latencies_ms": latencies,
             "errors": {str(k): v for k, v in errors.items()},
             "attempts": int(attempt_stats[0]),
@@ -624,6 +633,7 @@ class Ledger:
             items_t.c.parsed,
             items_t.c.validation_errors,
             items_t.c.id,
+            items_t.c.cost_usd,
         ]
         last = -1
         while True:

@@ -56,6 +56,8 @@ class Reply:
     request_id: str | None
     refusal: str | None = None
     limits: RateLimits | None = None
+    cached_tokens: int | None = None
+    model: str | None = None
 
 
 class Provider(Protocol):

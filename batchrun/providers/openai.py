@@ -147,6 +147,7 @@ class OpenAIProvider:
             finish_reason = choices[0].get("finish_reason")
         usage_value = data.get("usage")
         usage: dict[str, Any] = usage_value if isinstance(usage_value, dict) else {}
+        details = usage.get("prompt_tokens_details")
         return Reply(
             status_code=status_code,
             body=text,
@@ -157,6 +158,8 @@ class OpenAIProvider:
             request_id=headers.get("x-request-id"),
             refusal=refusal,
             limits=self.rate_limits(headers),
+            cached_tokens=_int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None,
+            model=data.get("model") if isinstance(data.get("model"), str) else None,
         )
 
     @staticmethod

@@ -50,6 +50,9 @@ max_tokens = {max_tokens}
 [output]
 schema = "label.schema.json"
 validation_retries = {retries}
+[pricing]
+input_per_million = 1.0
+output_per_million = 2.0
 [run]
 concurrency = 8
 max_attempts = 6
@@ -104,6 +107,13 @@ def test_reask_with_feedback_fixes_the_answer(
     classes = {c: (n, t) for c, n, t in per_attempt}
     assert classes["schema_invalid"][0] == 5 and classes[None][0] == 5  # each re-ask is an attempt with its own usage
     assert classes["schema_invalid"][1] > 0
+    with ledger.engine.connect() as conn:
+        costs = conn.exec_driver_sql("select input_tokens, output_tokens, cost_usd from attempts").all()
+    assert all(c == pytest.approx((i * 1.0 + o * 2.0) / 1e6) for i, o, c in costs)  # and its own cost
+    expected = sum((r.prompt_tokens * 1.0 + r.completion_tokens * 2.0) / 1e6 for r in server.log)
+    assert job_status(ledger, job_id)["cost_usd"] == pytest.approx(expected)
+    item_costs = sum(r.cost_usd for r in ledger.iter_items(job_id))  # type: ignore[misc]
+    assert item_costs == pytest.approx(expected)
 
 
 def test_invalid_every_time_ends_invalid_output_with_raw_text_and_paths(
