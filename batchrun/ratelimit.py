@@ -36,6 +36,7 @@ class AdaptiveConcurrency:
         self._last_decrease = 0.0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._rng = random.Random(seed)
+        self._stopped = asyncio.Event()
 
     @property
     def allowed(self) -> int:
@@ -44,17 +45,32 @@ class AdaptiveConcurrency:
     def paused_for(self) -> float:
         return max(0.0, self.paused_until - time.monotonic())
 
-    async def acquire(self) -> None:
-        """Wait for a slot (and for any pause to end)."""
+    def stop(self) -> None:
+        """Wake every waiter: :meth:`acquire` returns False from now on."""
+        self._stopped.set()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def acquire(self) -> bool:
+        """Wait for a slot (and for any pause to end); False if the run is stopping."""
         while True:
+            if self._stopped.is_set():
+                return False
             delay = self.paused_until - time.monotonic()
             if delay > 0:
                 # Spread the wake-ups so a pause does not end in one burst.
-                await asyncio.sleep(delay + self._rng.uniform(0.0, min(0.5, 0.1 + delay * 0.1)))
+                try:
+                    await asyncio.wait_for(
+                        self._stopped.wait(), delay + self._rng.uniform(0.0, min(0.5, 0.1 + delay * 0.1))
+                    )
+                except TimeoutError:
+                    pass
                 continue
             if self.in_flight < self.allowed:
                 self.in_flight += 1
-                return
+                return True
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:

@@ -49,7 +49,9 @@ from batchrun.validate import OutputValidator, feedback
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAX_RATE_LIMITED_PER_ITEM = 30
+MAX_RATE_LIMITED_PER_ITEM = 100
+OUTAGE_AFTER_FAILURES = 20  # failed attempts in a row, across items, that mean "the endpoint is down"
+OUTAGE_MAX_PAUSE_S = 30.0
 _NO_VALUE = object()
 HANG_MIN_SAMPLES = 50
 
@@ -154,6 +156,7 @@ class JobRunner:
         self._outcomes: list[Outcome] = []
         self._attempts: list[AttemptRecord] = []
         self._flush_now = asyncio.Event()
+        self._wake = asyncio.Event()
         self._writer_done = False
         self._rng = random.Random()
         self.controller = AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency)
@@ -164,6 +167,10 @@ class JobRunner:
         self.token_budget = TokenBucket(spec.run.tpm) if spec.run.tpm > 0 else None
         self._crash: BaseException | None = None
         self._held_slots = 0
+        self._failures_in_row = 0
+        self._last_clean = time.monotonic()
+        self._outage_pause = 0.0
+        self._outage_grown = 0.0
         self._latencies: deque[float] = deque(maxlen=2000)
         self._since_estimate = 0
         self._attempt_timeout = spec.run.timeout
@@ -184,6 +191,8 @@ class JobRunner:
             self._stop_message = message
             log.info("stopping run: %s", message or reason, extra={"job": self.job.id})
         self._stop.set()
+        self._wake.set()
+        self.controller.stop()
 
     @property
     def stopping(self) -> bool:
@@ -221,6 +230,7 @@ class JobRunner:
                 )
             try:
                 writer = asyncio.create_task(self._writer(), name="batchrun-writer")
+                writer.add_done_callback(self._writer_ended)
                 try:
                     await self._dispatch(writer)
                 finally:
@@ -244,7 +254,11 @@ class JobRunner:
         active: set[asyncio.Task[None]] = set()
         max_tasks = 2 * self.spec.run.concurrency
         batch = max(64, min(1000, 2 * self.spec.run.concurrency))
-        stop_waiter = asyncio.create_task(self._stop.wait())
+
+        def task_done(task: asyncio.Task[None]) -> None:
+            active.discard(task)
+            self._wake.set()
+
         try:
             while not self.stopping:
                 if writer.done():
@@ -256,18 +270,17 @@ class JobRunner:
                     if not claimed:
                         if not active:
                             return
-                        await asyncio.wait(active | {stop_waiter, writer}, return_when=asyncio.FIRST_COMPLETED)
+                        await self._wait_for_wake()
                         continue
                     queue.extend(claimed)
                 if len(active) >= max_tasks:
-                    await asyncio.wait(active | {stop_waiter, writer}, return_when=asyncio.FIRST_COMPLETED)
+                    await self._wait_for_wake()
                     continue
                 item = queue.popleft()
                 task = asyncio.create_task(self._work(_ItemWork(item, time.monotonic(), counted=item.attempts)))
                 active.add(task)
-                task.add_done_callback(active.discard)
+                task.add_done_callback(task_done)
         finally:
-            stop_waiter.cancel()
             # Unstarted items go back at once; in-flight ones get the grace period.
             if queue:
                 for item in queue:
@@ -279,6 +292,17 @@ class JobRunner:
                     task.cancel()
                 if pending:
                     await asyncio.wait(pending)
+
+    async def _wait_for_wake(self) -> None:
+        """Until an item task ends, a stop is requested or the writer dies."""
+        await self._wake.wait()
+        self._wake.clear()
+
+    def _writer_ended(self, writer: asyncio.Task[None]) -> None:
+        if not writer.cancelled() and writer.exception() is not None:
+            exc = writer.exception()
+            self.request_stop("error", f"the ledger writer failed: {type(exc).__name__}: {exc}")
+        self._wake.set()
 
     async def _work(self, work: _ItemWork) -> None:
         try:
@@ -353,7 +377,8 @@ class JobRunner:
             work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
         )
         estimate = self.provider.estimate_tokens(request) if self.token_budget else 0
-        await self.controller.acquire()
+        if not await self.controller.acquire():
+            raise _Stopped
         try:
             if self.request_budget:
                 await self.request_budget.take(1)
@@ -391,14 +416,25 @@ class JobRunner:
             self.token_budget.settle(estimate, used if reply else estimate)
         if reply is not None and reply.limits is not None:
             self._obey_headers(reply.limits)
+        counted = False
+        if error is None:
+            self._failures_in_row = 0
+            self._last_clean = time.monotonic()
+            self._outage_pause = 0.0
+        elif isinstance(error, RetryableError):
+            self._failures_in_row += 1
+        outage = self._in_outage()
         if isinstance(error, RateLimitedError):
             work.rate_limited += 1
             self.controller.on_rate_limited(error.retry_after)
             for budget in (self.request_budget, self.token_budget):
                 if budget:
                     budget.slow_down()
+        elif isinstance(error, RetryableError) and outage:
+            pass  # an outage is not the item's fault: no attempt is charged
         elif not isinstance(error, AuthError):
             work.counted += 1
+            counted = True
             if error is None:
                 self.controller.on_success()
                 for budget in (self.request_budget, self.token_budget):
@@ -419,6 +455,7 @@ class JobRunner:
                 output_tokens=reply.output_tokens if reply else None,
                 cached_tokens=reply.cached_tokens if reply else None,
                 cost_usd=self._cost(reply) if reply else None,
+                counted=counted,
         )
         self._attempts.append(record)
         work.last_attempt = record
@@ -435,6 +472,29 @@ class JobRunner:
         work.cost_usd += record.cost_usd or 0.0
         self.stats.cost_usd += record.cost_usd or 0.0
         return reply
+
+    def _in_outage(self) -> bool:
+        """Every request has been failing: back off together and stop charging attempts.
+
+        Past ``outage_seconds`` without a clean answer the run stops (exit 75)
+        with the items pending, instead of failing them one by one.
+        """
+        if self._failures_in_row < OUTAGE_AFTER_FAILURES:
+            return False
+        now = time.monotonic()
+        if now - self._outage_grown >= 1.0:
+            self._outage_pause = min(OUTAGE_MAX_PAUSE_S, max(0.5, self._outage_pause * 2))
+            self._outage_grown = now
+        # Every failure re-arms the shared pause (and shrinks the window), so probing
+        # a dead endpoint costs a few requests per pause, not a stream of them.
+        self.controller.on_rate_limited(self._outage_pause)
+        if now - self._last_clean > self.spec.run.outage_seconds:
+            self.request_stop(
+                "outage",
+                f"no clean answer for {self.spec.run.outage_seconds:g} s: every request failed "
+                f"({self._failures_in_row} in a row); the items stay pending",
+            )
+        return True
 
     def _cost(self, reply: Reply) -> float | None:
         """USD of one answered attempt: the job's price, else the answering model's list price."""

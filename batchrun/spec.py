@@ -122,6 +122,7 @@ class RunSpec:
     rpm: float = 0.0  # requests per minute for the job; 0 = no limit
     tpm: float = 0.0  # tokens per minute (prompt estimate + max_tokens, corrected from usage); 0 = no limit
     max_runtime: float = 0.0  # seconds a run may work before it stops cleanly (exit 75); 0 = no limit
+    outage_seconds: float = 300.0  # every request failing this long: stop with exit 75, items pending
 
 
 @dataclass(frozen=True)
@@ -430,7 +431,7 @@ def _check_run(run: RunSpec, where: str) -> None:
     for key in ("concurrency", "max_attempts", "max_line_bytes"):
         if getattr(run, key) < 1:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected an integer >= 1")
-    for key in ("timeout", "connect_timeout", "lease_seconds"):
+    for key in ("timeout", "connect_timeout", "lease_seconds", "outage_seconds"):
         if getattr(run, key) <= 0:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number of seconds > 0")
     for key in ("grace_seconds", "hang_factor", "hang_min_seconds", "rpm", "tpm", "max_runtime"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import Counter
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ class AttemptRecord:
     output_tokens: int | None = None
     cached_tokens: int | None = None
     cost_usd: float | None = None
+    counted: bool = True  # counts against max_attempts (not a 429, an auth refusal or an outage)
 
 
 @dataclass(frozen=True)
@@ -407,7 +409,17 @@ class Ledger:
             return
         with self.engine.begin() as conn:
             if attempts:
-                conn.execute(insert(attempts_t), [a.__dict__ for a in attempts])
+                rows = [{k: v for k, v in a.__dict__.items() if k != "counted"} for a in attempts]
+                conn.execute(insert(attempts_t), rows)
+                # The attempt budget lives here, so it holds across restarts and kills.
+                charged = Counter(a.item_id for a in attempts if a.counted)
+                if charged:
+                    conn.execute(
+                        update(items_t)
+                        .where(items_t.c.id == bindparam("b_id"))
+                        .values(attempts=items_t.c.attempts + bindparam("b_n")),
+                        [{"b_id": item_id, "b_n": n} for item_id, n in charged.items()],
+                    )
             if outcomes:
                 final = [o for o in outcomes if o.state != ItemState.PENDING]
                 back = [o for o in outcomes if o.state == ItemState.PENDING]
@@ -422,7 +434,6 @@ class Ledger:
                         .where(guard)
                         .values(
                             state=bindparam("b_state"),
-                            attempts=bindparam("b_attempts"),
                             status_code=bindparam("b_status_code"),
                             response=bindparam("b_response"),
                             output=bindparam("b_output"),
@@ -447,7 +458,6 @@ class Ledger:
                         .where(guard)
                         .values(
                             state=ItemState.PENDING,
-                            attempts=bindparam("b_attempts"),
                             status_code=bindparam("b_status_code"),
                             error_class=bindparam("b_error_class"),
                             error_message=bindparam("b_error_message"),

@@ -12,7 +12,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerError
-from batchrun.ledger import ItemState, Ledger, Outcome
+from batchrun.ledger import AttemptRecord, ItemState, Ledger, Outcome
 from batchrun.ledger.engine import SCHEMA_HEAD, alembic_config, upgrade_to_head
 from batchrun.ledger.models import Base
 from batchrun.spec import Overrides, spec_for_batch_input
@@ -102,13 +102,16 @@ def test_outcomes_only_land_on_items_the_run_holds(ledger: Ledger) -> None:
             Outcome(claimed[1].id, ItemState.FAILED, 2, status_code=400, error_class="client_error", error_message="bad"),
             Outcome(claimed[2].id, ItemState.PENDING, 1, error_class="server_error"),
         ],
-        [],
+        [
+            AttemptRecord(job_id, claimed[2].id, run_a, 1, time.time(), 0.0, 5.0, 500, "server_error"),
+            AttemptRecord(job_id, claimed[2].id, run_a, 2, time.time(), 0.0, 5.0, 429, "rate_limited", counted=False),
+        ],
     )
     counts = ledger.counts(job_id)
     assert (counts["succeeded"], counts["failed"], counts["pending"], counts["running"]) == (1, 1, 1, 0)
     rows = {r.custom_id: r for r in ledger.iter_items(job_id)}
     assert rows["c1"].output == "x" and rows["c1"].input_tokens == 3
-    assert rows["c3"].attempts == 1  # the attempt count survives going back to pending
+    assert rows["c3"].attempts == 1  # charged attempts count (the 429 does not), across going back to pending
     # A second record of the same success is ignored: the lease is gone.
     ledger.record(run_a, [Outcome(claimed[0].id, ItemState.FAILED, 9)], [])
     assert {r.custom_id: r.state for r in ledger.iter_items(job_id)}["c1"] == ItemState.SUCCEEDED

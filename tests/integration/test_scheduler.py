@@ -333,3 +333,25 @@ def test_tpm_budget_is_charged_from_usage(ledger: Ledger, server: FakeOpenAIServ
     # so the run is paced by what was really used, not by the worst case.
     assert used / elapsed <= 100 * 1.1
     assert elapsed < 15
+
+
+def test_an_outage_pauses_and_stops_with_items_pending(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+) -> None:
+    from dataclasses import replace
+
+    server.faults = Faults(status_override=503)  # the endpoint answers, but every request fails
+    spec = spec_for_batch_input(Overrides(base_url=server.base_url, concurrency=16, max_attempts=3))
+    spec = replace(spec, run=replace(spec.run, outage_seconds=2.0))
+    job_id = prepare_job(ledger, spec, write_jsonl(batch_lines(100))).job_id
+    started = time.monotonic()
+    summary = run(ledger, job_id)
+    assert summary.exit_code == EXIT_TEMPFAIL
+    assert summary.result.stop_reason == "outage"
+    assert time.monotonic() - started < 40
+    assert summary.counts[ItemState.PENDING] == 100  # nothing failed for good
+    assert len(server.log) < 100  # paused together, not hammered
+    server.faults = Faults()
+    again = run(ledger, job_id)
+    assert again.exit_code == EXIT_OK
+    assert max(r.attempts for r in ledger.iter_items(job_id)) <= 3
