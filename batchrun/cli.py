@@ -11,15 +11,16 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import orjson
 
-from batchrun.errors import BatchrunError, UsageError
+from batchrun.errors import EXIT_OK, EXIT_SOME_FAILED, EXIT_TEMPFAIL, BatchrunError, UsageError
 from batchrun.export import FORMATS, check_target, export_job
 from batchrun.ledger import ItemState, Ledger, default_db_path
 from batchrun.report import job_status
@@ -29,9 +30,8 @@ if TYPE_CHECKING:
     from batchrun.jobs import RunSummary
     from batchrun.scheduler import JobRunner
 
-# Exit codes (DESIGN.md). The run machinery (httpx, aiohttp, tenacity) is imported
-# only by the commands that send requests, so status/list/export start fast.
-EXIT_OK, EXIT_SOME_FAILED, EXIT_TEMPFAIL = 0, 1, 75
+# The run machinery (httpx, aiohttp, tenacity) is imported only by the commands
+# that send requests, so status/list/export start fast.
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -157,9 +157,12 @@ def _work(
 
     async def go() -> RunSummary:
         progress: asyncio.Task[None] | None = None
+        loop = asyncio.get_running_loop()
 
         def started(runner: JobRunner) -> None:
             nonlocal progress
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, _on_signal, runner, signum)
             if not quiet:
                 progress = asyncio.create_task(show_progress(runner, todo))
 
@@ -169,16 +172,51 @@ def _work(
                 job_id,
                 overrides=overrides,
                 options=RunOptions(command=command, transport=transport),
-                handle_signals=True,
                 on_start=started,
             )
         finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
             if progress is not None:
                 progress.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await progress
 
     return asyncio.run(go())
+
+
+_signals_seen: list[int] = []
+
+
+def _on_signal(runner: JobRunner, signum: int) -> None:
+    """First SIGINT/SIGTERM: stop claiming and drain. Second: exit now (leases expire, resume reclaims)."""
+    _signals_seen.append(signum)
+    name = signal.Signals(signum).name
+    if len(_signals_seen) > 1:
+        os._exit(EXIT_TEMPFAIL)
+    click.echo(
+        f"batchrun: {name}: finishing requests in flight (up to {runner.spec.run.grace_seconds:g} s); "
+        "send again to stop at once",
+        err=True,
+    )
+    runner.request_stop("signal", f"stopped by {name}")
+
+
+@contextlib.contextmanager
+def _stoppable(what: str) -> Iterator[None]:
+    """SIGINT/SIGTERM during a synchronous phase (reading the input): exit 75, carry on later."""
+
+    def raise_interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo(f"batchrun: stopped while {what}; run the same command again to carry on", err=True)
+        sys.exit(EXIT_TEMPFAIL)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _finish(
@@ -253,9 +291,9 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
     with _open(db) as ledger:
-        prepared = prepare_job(ledger, job_spec, input_path, new=new, strict=strict)
-        if output:
-            check_target(ledger, prepared.job_id, Path(output).absolute(), force=force)
+        with _stoppable("reading the input"):
+            prepared = prepare_job(ledger, job_spec, input_path, new=new, strict=strict)
+        _check_targets(ledger, prepared.job_id, output, errors, force)
         if not as_json:
             click.echo(str(prepared.job_id))
             if prepared.ingest and prepared.ingest.rejected:
@@ -286,13 +324,23 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
     Example:
       batchrun resume 3 --output results.jsonl
     """
+    from batchrun.jobs import finish_interrupted_ingest
+
     overrides = _overrides(kw)
     with _open(db) as ledger:
         ledger.get_job(job)
-        if output:
-            check_target(ledger, job, Path(output).absolute(), force=force)
+        _check_targets(ledger, job, output, errors, force)
+        with _stoppable("reading the input"):
+            finish_interrupted_ingest(ledger, job)
         summary = _work(ledger, job, overrides=overrides, command="resume", transport=transport, quiet=quiet or as_json)
         _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
+
+
+def _check_targets(ledger: Ledger, job_id: int, output: str | None, errors: str | None, force: bool) -> None:
+    """Refuse output files we may not replace before anything is sent."""
+    for target in (output, errors):
+        if target:
+            check_target(ledger, job_id, Path(target).absolute(), force=force)
 
 
 def _latest_job(ledger: Ledger) -> int:

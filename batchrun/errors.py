@@ -10,6 +10,7 @@
     ├── JobNotFoundError      exit 2
     ├── JobLockedError        exit 75: another run holds the job
     ├── LedgerError           the ledger cannot be opened or upgraded
+    │   └── LedgerWriteError  exit 75: it failed during a run; resume later
     ├── ProviderError         one attempt went wrong
     │   ├── RetryableError        timeouts, connection errors, 408/409/425/429/5xx/529, bad body
     │   │   └── RateLimitedError  429 (and friends), may carry a retry-after delay
@@ -25,6 +26,14 @@ stored in the ledger and shown in reports.
 from __future__ import annotations
 
 from typing import ClassVar
+
+# Exit codes (DESIGN.md: Cron and exit codes).
+EXIT_OK = 0  # every item succeeded
+EXIT_SOME_FAILED = 1  # finished; some items failed, invalid, rejected or cancelled
+EXIT_USAGE = 2  # usage, spec or input error; nothing was sent
+EXIT_AUTH = 3  # stopped: authentication refused
+EXIT_BUDGET = 4  # stopped: budget reached
+EXIT_TEMPFAIL = 75  # stopped early with work left: resume later
 
 
 class BatchrunError(Exception):
@@ -74,6 +83,12 @@ class LedgerError(BatchrunError):
     """The ledger cannot be used."""
 
     exit_code = 2
+
+
+class LedgerWriteError(LedgerError):
+    """The ledger failed during a run; what was committed is safe. Resume later."""
+
+    exit_code = 75
 
 
 class ProviderError(BatchrunError):

@@ -20,10 +20,10 @@ import orjson
 
 from batchrun.errors import ExportError
 from batchrun.ledger import ItemRow, ItemState, Ledger
+from batchrun.providers.base import json_or_none
 
 FORMATS = ("results", "openai-batch")
 ERROR_STATES = (ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED)
-DUPLICATE = "duplicate_custom_id"
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def openai_batch_line(job_id: int, row: ItemRow) -> dict[str, Any]:
     """The OpenAI Batch API output line shape."""
     response = None
     error = None
-    body = orjson.loads(row.response) if row.response and row.response[:1] in ("{", "[") else None
+    body = json_or_none(row.response.encode()) if row.response else None
     if row.state == ItemState.SUCCEEDED or (row.status_code is not None and body is not None):
         response = {"status_code": row.status_code, "request_id": row.request_id or "", "body": body}
     else:
@@ -132,6 +132,8 @@ def write_atomic(path: Path, lines: Iterable[dict[str, Any]]) -> tuple[int, str]
     count = 0
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes 0600; give the file the mode a plain create would (or the one it replaces).
+        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             count = _write_lines(f, lines, digest.update)
             f.flush()
@@ -149,6 +151,12 @@ def write_atomic(path: Path, lines: Iterable[dict[str, Any]]) -> tuple[int, str]
     finally:
         os.close(dir_fd)
     return count, digest.hexdigest()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_lines(f: BinaryIO, lines: Iterable[dict[str, Any]], update: Callable[[bytes], None]) -> int:
@@ -182,9 +190,11 @@ def export_job(
     if errors_path:
         check_target(ledger, job_id, errors_path, force=force)
 
+    shadowed = ledger.shadowed_rejections(job_id)
+
     def main_lines() -> Iterable[dict[str, Any]]:
         for row in ledger.iter_items(job_id):
-            if row.error_class == DUPLICATE:
+            if row.line in shadowed:
                 continue  # its custom_id belongs to another line; it is listed in the errors file
             yield results_line(row, structured=structured) if fmt == "results" else openai_batch_line(job_id, row)
 

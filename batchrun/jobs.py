@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +13,17 @@ from typing import Any
 import httpx
 import orjson
 
-from batchrun.errors import InputError, OutputInvalidError, SpecError, UsageError
+from batchrun.errors import (
+    EXIT_AUTH,
+    EXIT_BUDGET,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+    EXIT_TEMPFAIL,
+    InputError,
+    OutputInvalidError,
+    SpecError,
+    UsageError,
+)
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
 from batchrun.ledger import ItemState, JobRecord, Ledger
 from batchrun.providers import provider_for
@@ -24,12 +32,6 @@ from batchrun.spec import JobSpec, Overrides
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_SOME_FAILED = 1
-EXIT_USAGE = 2
-EXIT_AUTH = 3
-EXIT_BUDGET = 4
-EXIT_TEMPFAIL = 75
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,7 @@ def prepare_job(
     existing = None if new else ledger.find_job(spec.identity_hash(), input_hash)
     if existing is not None and ledger.get_job(existing).ingest_done:
         return PreparedJob(existing, False, None)
-    provider = provider_for(spec, read_key=False)
-    for warning in provider.warnings:
-        log.warning("%s", warning)
-    builder = RequestBuilder(spec, provider)
+    builder = _builder(spec)
     if strict and existing is None:
         checked = check_input(path, builder)
         if checked.rejected:
@@ -81,21 +80,65 @@ def prepare_job(
             raise InputError(
                 f"{path}: {checked.rejected} of {checked.lines} lines are bad (--strict), nothing was submitted:\n{shown}"
             )
-    job_id = existing if existing is not None else ledger.create_job(
-        spec, input_path=str(path.absolute()), input_hash=input_hash
-    )
-    stats = ingest(ledger, job_id, path, builder, on_batch=on_batch)
-    ledger.finish_ingest(job_id)
-    return PreparedJob(job_id, existing is None, stats)
+    job_id, created = ledger.find_or_create_job(spec, input_path=str(path.absolute()), input_hash=input_hash, new=new)
+    stats = _ingest_locked(ledger, job_id, path, builder, on_batch)
+    return PreparedJob(job_id, created, stats)
 
 
-def exit_code_for(counts: dict[str, int], stop_reason: str | None) -> int:
+def _builder(spec: JobSpec) -> RequestBuilder:
+    provider = provider_for(spec, read_key=False)
+    for warning in provider.warnings:
+        log.warning("%s", warning)
+    return RequestBuilder(spec, provider)
+
+
+def _ingest_locked(
+    ledger: Ledger,
+    job_id: int,
+    path: Path,
+    builder: RequestBuilder,
+    on_batch: Callable[[IngestStats], None] | None = None,
+) -> IngestStats | None:
+    """Ingest under the job lock, so an overlapping submit cannot ingest the same file twice."""
+    run_id = ledger.start_run(job_id, "ingest", exclusive=True)
+    code = EXIT_TEMPFAIL
+    try:
+        if ledger.get_job(job_id).ingest_done:  # the run we waited for finished it
+            code = EXIT_OK
+            return None
+        stats = ingest(ledger, job_id, path, builder, on_batch=on_batch)
+        ledger.finish_ingest(job_id)
+        code = EXIT_OK
+        return stats
+    finally:
+        ledger.end_run(job_id, run_id, code)
+
+
+def finish_interrupted_ingest(ledger: Ledger, job_id: int) -> IngestStats | None:
+    """Carry on an ingest a crash interrupted, from the job's own input file.
+
+    Refuses (InputError) if the file is gone or its content changed: the job's
+    identity is that content.
+    """
+    job = ledger.get_job(job_id)
+    if job.ingest_done:
+        return None
+    path = Path(job.input_path)
+    if not path.is_file() or hash_input(path) != job.input_hash:
+        raise InputError(
+            f"job {job_id} was interrupted while reading its input and {path} is gone or has changed; "
+            "submit the original file again to finish it"
+        )
+    return _ingest_locked(ledger, job_id, path, _builder(job.spec))
+
+
+def exit_code_for(counts: dict[str, int], stop_reason: str | None, *, ingest_done: bool = True) -> int:
     """DESIGN.md's exit codes from the item counts and why the run stopped."""
     if stop_reason == "auth":
         return EXIT_AUTH
     if stop_reason == "budget":
         return EXIT_BUDGET
-    if counts[ItemState.PENDING] or counts[ItemState.RUNNING]:
+    if counts[ItemState.PENDING] or counts[ItemState.RUNNING] or not ingest_done:
         return EXIT_TEMPFAIL
     if counts[ItemState.SUCCEEDED] == sum(counts.values()):
         return EXIT_OK
@@ -113,43 +156,22 @@ async def run_job(
     overrides: Overrides | None = None,
     options: RunOptions | None = None,
     client: httpx.AsyncClient | None = None,
-    handle_signals: bool = False,
     on_start: Callable[[JobRunner], None] | None = None,
 ) -> RunSummary:
-    """Work a job until it is finished or stopped; the run's end is recorded with its exit code."""
+    """Work a job until it is finished or stopped; the run's end is recorded with its exit code.
+
+    ``on_start`` gets the runner before work begins (to show progress, or to
+    wire signals to :meth:`JobRunner.request_stop`).
+    """
     job = ledger.get_job(job_id)
     spec = effective_spec(job, overrides)
     provider = provider_for(spec)
     runner = JobRunner(ledger, job, spec, provider, options, client=client)
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM) if handle_signals else ()
-    received: list[int] = []
-
-    def on_signal(signum: int) -> None:
-        received.append(signum)
-        if len(received) == 1:
-            print(
-                f"batchrun: {signal.Signals(signum).name}: finishing requests in flight "
-                f"(up to {spec.run.grace_seconds:g} s); send again to stop at once",
-                file=sys.stderr,
-                flush=True,
-            )
-            runner.request_stop("signal", f"stopped by {signal.Signals(signum).name}")
-        else:
-            # Leases expire and resume reclaims the items; the lock holder is dead.
-            os._exit(EXIT_TEMPFAIL)
-
-    for signum in signals:
-        loop.add_signal_handler(signum, on_signal, signum)
-    try:
-        if on_start:
-            on_start(runner)
-        result = await runner.run()
-    finally:
-        for signum in signals:
-            loop.remove_signal_handler(signum)
+    if on_start:
+        on_start(runner)
+    result = await runner.run()
     counts = ledger.counts(job_id)
-    code = exit_code_for(counts, result.stop_reason)
+    code = exit_code_for(counts, result.stop_reason, ingest_done=ledger.get_job(job_id).ingest_done)
     ledger.end_run(job_id, result.run_id, code)
     return RunSummary(job_id, code, counts, result)
 

@@ -37,7 +37,16 @@ import orjson
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 from tenacity.wait import wait_base
 
-from batchrun.errors import AuthError, OutputInvalidError, ProviderError, RateLimitedError, RetryableError
+from sqlalchemy.exc import SQLAlchemyError
+
+from batchrun.errors import (
+    AuthError,
+    LedgerWriteError,
+    OutputInvalidError,
+    ProviderError,
+    RateLimitedError,
+    RetryableError,
+)
 from batchrun.ledger import AttemptRecord, ClaimedItem, ItemState, JobRecord, Ledger, Outcome
 from batchrun.providers import Provider, Reply, make_client, send
 from batchrun.providers.base import RateLimits
@@ -236,13 +245,20 @@ class JobRunner:
                 finally:
                     self._writer_done = True
                     self._flush_now.set()
-                    await writer
+                    await asyncio.wait([writer])
+                if writer.exception() is not None:
+                    raise writer.exception()  # type: ignore[misc]
             finally:
                 if deadline is not None:
                     deadline.cancel()
                 if owns_client:
                     await self._client.aclose()
                     self._client = None
+        except SQLAlchemyError as exc:
+            raise LedgerWriteError(
+                f"the ledger failed during the run: {exc.__class__.__name__}: {exc}. What was committed is safe; "
+                f"resume job {self.job.id} when the database is back"
+            ) from exc
         finally:
             self._db.shutdown(wait=True)
         if self._crash is not None:
@@ -260,9 +276,7 @@ class JobRunner:
             self._wake.set()
 
         try:
-            while not self.stopping:
-                if writer.done():
-                    writer.result()  # the writer died: stop with its error
+            while not self.stopping and not writer.done():
                 if not queue:
                     claimed = await self._ledger(
                         self.ledger.claim, self.job.id, self.run_id, batch, self.spec.run.lease_seconds

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -212,10 +213,12 @@ class JobSpec:
 
     def with_overrides(self, overrides: Overrides) -> JobSpec:
         provider = self.provider
+        if overrides.base_url is not None:
+            _check_base_url(overrides.base_url, "--base-url")
         if overrides.base_url is not None or overrides.model is not None:
             provider = dataclasses.replace(
                 provider,
-                base_url=overrides.base_url or provider.base_url,
+                base_url=overrides.base_url.rstrip("/") if overrides.base_url else provider.base_url,
                 model=overrides.model or provider.model,
             )
         run = self.run
@@ -322,8 +325,8 @@ def parse_spec(
     if kind not in PROVIDER_KINDS:
         raise SpecError(f"{where}: [provider] kind = {kind!r}: expected one of {', '.join(PROVIDER_KINDS)}")
     base_url = _get(provider_t, "provider", "base_url", str, where, None)
-    if base_url is not None and not base_url.startswith(("http://", "https://")):
-        raise SpecError(f"{where}: [provider] base_url = {base_url!r}: expected an http:// or https:// URL")
+    if base_url is not None:
+        _check_base_url(base_url, where)
     provider = ProviderSpec(
         kind=kind,
         base_url=base_url.rstrip("/") if base_url else None,
@@ -427,7 +430,41 @@ def _parse_output(table: Mapping[str, Any], where: str, base_dir: Path) -> Outpu
     )
 
 
+def _check_base_url(base_url: str, where: str) -> None:
+    import httpx
+
+    problem = None
+    if not base_url.startswith(("http://", "https://")):
+        problem = "expected an http:// or https:// URL"
+    else:
+        try:
+            url = httpx.URL(base_url)
+            if not url.host:
+                problem = "it has no host"
+            elif url.port is not None and not 0 < url.port < 65536:
+                problem = f"port {url.port} is out of range"
+        except httpx.InvalidURL as exc:
+            problem = f"not a valid URL ({exc})"
+    if problem:
+        raise SpecError(f"{where}: [provider] base_url = {base_url!r}: {problem}")
+
+
+_RUN_MAXIMA = {
+    "concurrency": 10_000,
+    "max_attempts": 1_000,
+    "max_line_bytes": 1 << 30,
+    "timeout": 86_400.0,
+    "connect_timeout": 3_600.0,
+    "lease_seconds": 86_400.0,
+}
+
+
 def _check_run(run: RunSpec, where: str) -> None:
+    for key, value in dataclasses.asdict(run).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SpecError(f"{where}: [run] {key} = {value}: expected a finite number")
+        if key in _RUN_MAXIMA and value > _RUN_MAXIMA[key]:
+            raise SpecError(f"{where}: [run] {key} = {value}: expected at most {_RUN_MAXIMA[key]:g}")
     for key in ("concurrency", "max_attempts", "max_line_bytes"):
         if getattr(run, key) < 1:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected an integer >= 1")

@@ -561,7 +561,8 @@ def _ingest(wd: Path, inp: Path, db: Path, profile: Path | None = None) -> tuple
         child.ensure_dead()
     if res["rc"] != 0:
         raise RuntimeError(f"ingest driver failed rc={res['rc']}: {child.stderr_tail()}")
-    driver = json.loads(child.stdout().strip().splitlines()[-1])
+    # the last JSON line (under --profile, py-spy writes its own lines to stdout too)
+    driver = json.loads([ln for ln in child.stdout().splitlines() if ln.startswith("{")][-1])
     res["peak_rss_sampled_mb"] = round(max((s[2] for s in child.samples), default=0.0), 1)
     return res, driver
 

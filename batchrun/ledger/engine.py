@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
@@ -14,6 +15,9 @@ from batchrun.bundled import bundled_dir
 from batchrun.errors import LedgerError
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+WRITE_OPTION = "batchrun_write"  # execution option marking a write transaction
+_UPGRADE_LOCK = threading.Lock()
+_MIGRATION_LOCK_KEY = 0x6261746368  # "batch": the PostgreSQL advisory lock around migrations
 # The newest migration under migrations/versions (a test checks they agree). Knowing it
 # here lets an up-to-date ledger open without importing Alembic, which costs ~0.6 s.
 SCHEMA_HEAD = "0003"
@@ -34,9 +38,7 @@ def resolve_db_url(db: str | os.PathLike[str] | None) -> str:
         if text.startswith("postgresql://") or text.startswith("postgres://"):
             text = "postgresql+psycopg://" + text.split("://", 1)[1]
         return text
-    path = Path(text).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{path}"
+    return f"sqlite:///{Path(text).expanduser().resolve()}"
 
 
 def alembic_config() -> Any:
@@ -70,29 +72,42 @@ def create_ledger_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Any) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # Writers take the lock up front (no deadlock on upgrade); readers stay
+            # deferred so `status` never blocks a run, nor waits on one.
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
 
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
 
 
-def current_revision(engine: Engine) -> str | None:
-    with engine.connect() as conn:
-        if not inspect(conn).has_table("alembic_version"):
-            return None
-        return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+def current_revision(conn: Connection) -> str | None:
+    if not inspect(conn).has_table("alembic_version"):
+        return None
+    return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
 
 
 def upgrade_to_head(engine: Engine) -> bool:
-    """Apply pending migrations; return whether anything was applied."""
-    if current_revision(engine) == SCHEMA_HEAD:
-        return False
+    """Apply pending migrations; return whether anything was applied.
+
+    Safe when several processes (or threads) open a new ledger at once: the
+    upgrade runs in one write transaction (and a PostgreSQL advisory lock) that
+    re-reads the revision first; Alembic's module-level context is guarded too.
+    """
+    with engine.connect() as conn:
+        if current_revision(conn) == SCHEMA_HEAD:
+            return False
     from alembic import command
 
     cfg = alembic_config()
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+    with _UPGRADE_LOCK, engine.connect() as conn:
+        conn.execution_options(**{WRITE_OPTION: True})
+        with conn.begin():
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
+            if current_revision(conn) == SCHEMA_HEAD:
+                return False
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
     return True
 
 
@@ -100,6 +115,8 @@ def open_engine(db: str | os.PathLike[str] | None) -> Engine:
     """Open (and upgrade) the ledger at ``db``; errors name the database."""
     url = resolve_db_url(db)
     try:
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         engine = create_ledger_engine(url)
         upgrade_to_head(engine)
     except ModuleNotFoundError as exc:
@@ -107,7 +124,7 @@ def open_engine(db: str | os.PathLike[str] | None) -> Engine:
             f"cannot open ledger {_safe_url(url)}: missing driver {exc.name!r} "
             "(for PostgreSQL install batchrun[postgres])"
         ) from exc
-    except (SQLAlchemyError, OSError) as exc:
+    except (SQLAlchemyError, OSError, ValueError) as exc:
         raise LedgerError(f"cannot open ledger {_safe_url(url)}: {exc}") from exc
     return engine
 

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from collections import Counter
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import orjson
-from sqlalchemy import Engine, Table, bindparam, func, insert, select, update
+from sqlalchemy import Connection, Engine, Table, bindparam, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from batchrun.errors import JobLockedError, JobNotFoundError
-from batchrun.ledger.engine import open_engine
+from batchrun.ledger.engine import WRITE_OPTION, open_engine
 from batchrun.ledger.models import Attempt, Export, Item, ItemState, Job, Run
 from batchrun.spec import JobSpec
 
@@ -127,6 +129,11 @@ class ItemRow:
     cost_usd: float | None = None
 
 
+def _no_nul(value: Any) -> Any:
+    """PostgreSQL text cannot hold NUL: store U+FFFD instead (model output can contain it)."""
+    return value.replace("\x00", "\ufffd") if isinstance(value, str) and "\x00" in value else value
+
+
 def _bind(outcome: Outcome) -> dict[str, Any]:
     """An outcome as bind parameters (``b_`` names: SQLAlchemy reserves the column names)."""
     params = {f"b_{k}": v for k, v in outcome.__dict__.items()}
@@ -160,6 +167,14 @@ class Ledger:
     def close(self) -> None:
         self.engine.dispose()
 
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        """A write transaction (``BEGIN IMMEDIATE`` on SQLite; reads stay deferred and never block)."""
+        with self.engine.connect() as conn:
+            conn.execution_options(**{WRITE_OPTION: True})
+            with conn.begin():
+                yield conn
+
     def __enter__(self) -> Ledger:
         return self
 
@@ -169,21 +184,46 @@ class Ledger:
     # -- jobs ---------------------------------------------------------------
 
     def create_job(self, spec: JobSpec, *, input_path: str, input_hash: str) -> int:
-        with self.engine.begin() as conn:
-            result = conn.execute(
-                insert(jobs_t).values(
-                    name=spec.name,
-                    created_at=time.time(),
-                    spec_source=spec.source,
-                    spec_json=orjson.dumps(spec.to_dict()).decode(),
-                    spec_hash=spec.identity_hash(),
-                    input_path=input_path,
-                    input_hash=input_hash,
-                    ingest_done=False,
-                    total=0,
-                )
+        with self._write() as conn:
+            return self._insert_job(conn, spec, input_path, input_hash)
+
+    def find_or_create_job(self, spec: JobSpec, *, input_path: str, input_hash: str, new: bool) -> tuple[int, bool]:
+        """The job for this spec and input content, created if there is none (or ``new``): (id, created).
+
+        Atomic: two overlapping submits of the same job find one job, never two.
+        """
+        spec_hash = spec.identity_hash()
+        with self._write() as conn:
+            if not self.is_sqlite:  # SQLite's BEGIN IMMEDIATE already serialises this
+                key = int(hashlib.sha256(f"{spec_hash}{input_hash}".encode()).hexdigest()[:15], 16)
+                conn.execute(select(func.pg_advisory_xact_lock(key)))
+            if not new:
+                found = conn.execute(
+                    select(jobs_t.c.id)
+                    .where(jobs_t.c.spec_hash == spec_hash, jobs_t.c.input_hash == input_hash)
+                    .order_by(jobs_t.c.id.desc())
+                    .limit(1)
+                ).scalar()
+                if found is not None:
+                    return int(found), False
+            return self._insert_job(conn, spec, input_path, input_hash), True
+
+    @staticmethod
+    def _insert_job(conn: Any, spec: JobSpec, input_path: str, input_hash: str) -> int:
+        result = conn.execute(
+            insert(jobs_t).values(
+                name=spec.name,
+                created_at=time.time(),
+                spec_source=spec.source,
+                spec_json=orjson.dumps(spec.to_dict()).decode(),
+                spec_hash=spec.identity_hash(),
+                input_path=input_path,
+                input_hash=input_hash,
+                ingest_done=False,
+                total=0,
             )
-            return int(result.inserted_primary_key[0])  # type: ignore[index]
+        )
+        return int(result.inserted_primary_key[0])
 
     def find_job(self, spec_hash: str, input_hash: str) -> int | None:
         """The newest job with this spec and input content, if any."""
@@ -251,10 +291,13 @@ class Ledger:
             }
             for r in rows
         ]
+        if not self.is_sqlite:
+            values = [{k: _no_nul(v) for k, v in row.items()} for row in values]
+            rows = [{k: _no_nul(v) for k, v in row.items()} for row in rows]
         dialect = postgresql if not self.is_sqlite else sqlite
         stmt = dialect.insert(items_t).on_conflict_do_nothing()
         lo, hi = rows[0]["line"], rows[-1]["line"]
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(stmt, values)
             stored = set(
                 conn.execute(
@@ -276,7 +319,7 @@ class Ledger:
         return [(r, first_lines.get(r["custom_id"], 0)) for r in dupes]
 
     def finish_ingest(self, job_id: int) -> int:
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             total = conn.execute(select(func.count()).where(items_t.c.job_id == job_id)).scalar() or 0
             conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(ingest_done=True, total=total))
         return int(total)
@@ -288,7 +331,7 @@ class Ledger:
         run_id = os.urandom(8).hex()
         now = time.time()
         pid, host = os.getpid(), socket.gethostname()
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             if exclusive:
                 job = conn.execute(
                     select(
@@ -326,7 +369,7 @@ class Ledger:
     def heartbeat(self, job_id: int, run_id: str, lease_seconds: float) -> None:
         """Show the run is alive and extend the leases of the items it holds."""
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(update(runs_t).where(runs_t.c.id == run_id).values(heartbeat_at=now))
             conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.lock_run_id == run_id).values(lock_heartbeat=now))
             conn.execute(
@@ -336,7 +379,7 @@ class Ledger:
             )
 
     def end_run(self, job_id: int, run_id: str, exit_code: int) -> None:
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(update(runs_t).where(runs_t.c.id == run_id).values(ended_at=time.time(), exit_code=exit_code))
             conn.execute(
                 update(jobs_t)
@@ -351,7 +394,7 @@ class Ledger:
 
         Only safe while holding the job lock: any other holder is then gone.
         """
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             result = conn.execute(
                 update(items_t)
                 .where(
@@ -365,7 +408,7 @@ class Ledger:
 
     def requeue_expired(self, job_id: int) -> int:
         """Put back to pending the running items whose lease has expired."""
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             result = conn.execute(
                 update(items_t)
                 .where(
@@ -395,7 +438,7 @@ class Ledger:
                 items_t.c.id, items_t.c.custom_id, items_t.c.url, items_t.c.body, items_t.c.attempts, items_t.c.max_tokens
             )
         )
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             rows = conn.execute(stmt).all()
         return sorted((ClaimedItem(*r) for r in rows), key=lambda c: c.id)
 
@@ -407,9 +450,10 @@ class Ledger:
         """
         if not outcomes and not attempts:
             return
-        with self.engine.begin() as conn:
+        clean = (lambda params: params) if self.is_sqlite else (lambda params: {k: _no_nul(v) for k, v in params.items()})
+        with self._write() as conn:
             if attempts:
-                rows = [{k: v for k, v in a.__dict__.items() if k != "counted"} for a in attempts]
+                rows = [clean({k: v for k, v in a.__dict__.items() if k != "counted"}) for a in attempts]
                 conn.execute(insert(attempts_t), rows)
                 # The attempt budget lives here, so it holds across restarts and kills.
                 charged = Counter(a.item_id for a in attempts if a.counted)
@@ -450,7 +494,7 @@ class Ledger:
                             lease_owner=None,
                             lease_expires=None,
                         ),
-                        [_bind(o) for o in final],
+                        [clean(_bind(o)) for o in final],
                     )
                 if back:
                     conn.execute(
@@ -464,14 +508,14 @@ class Ledger:
                             lease_owner=None,
                             lease_expires=None,
                         ),
-                        [_bind(o) for o in back],
+                        [clean(_bind(o)) for o in back],
                     )
 
     def release(self, run_id: str, item_ids: Sequence[int]) -> None:
         """Give leased items back (to pending) untouched."""
         if not item_ids:
             return
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(
                 update(items_t)
                 .where(
@@ -505,7 +549,7 @@ class Ledger:
         }
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             result = conn.execute(update(items_t).where(*cond).values(**values))
             return int(result.rowcount)
 
@@ -513,7 +557,7 @@ class Ledger:
         """Apply offline revalidation: (item id, state, parsed, error class, error message, validation errors)."""
         if not changes:
             return
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(
                 update(items_t)
                 .where(items_t.c.id == bindparam("b_id"))
@@ -539,7 +583,7 @@ class Ledger:
 
     def cancel(self, job_id: int) -> int:
         """Cancel every pending or running item of the job."""
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             result = conn.execute(
                 update(items_t)
                 .where(items_t.c.job_id == job_id, items_t.c.state.in_([ItemState.PENDING, ItemState.RUNNING]))
@@ -613,6 +657,40 @@ class Ledger:
             "attempt_errors": {str(k): v for k, v in attempt_errors.items()},
         }
 
+    def shadowed_rejections(self, job_id: int) -> set[int]:
+        """Lines of rejected items whose custom_id another line already uses.
+
+        Output has one line per custom_id: such a rejected line is listed only
+        in the errors file. Rejected lines are few, so this is a small query.
+        """
+        rejected = (
+            select(items_t.c.line, items_t.c.custom_id)
+            .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.REJECTED)
+            .subquery()
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(rejected.c.line, rejected.c.custom_id).order_by(rejected.c.line)
+            ).all()
+            if not rows:
+                return set()
+            taken = set(
+                conn.execute(
+                    select(items_t.c.custom_id).where(
+                        items_t.c.job_id == job_id,
+                        items_t.c.state != ItemState.REJECTED,
+                        items_t.c.custom_id.in_(select(rejected.c.custom_id)),
+                    )
+                ).scalars()
+            )
+        shadowed: set[int] = set()
+        seen: set[str] = set()
+        for line, custom_id in rows:
+            if custom_id in taken or custom_id in seen:
+                shadowed.add(line)
+            seen.add(custom_id)
+        return shadowed
+
     def recent_latencies(self, job_id: int, limit: int) -> list[float]:
         """Seconds taken by the job's latest clean attempts, oldest first."""
         with self.engine.connect() as conn:
@@ -663,7 +741,7 @@ class Ledger:
     # -- exports ------------------------------------------------------------
 
     def record_export(self, job_id: int, path: str, fmt: str, sha256: str, lines: int) -> None:
-        with self.engine.begin() as conn:
+        with self._write() as conn:
             conn.execute(
                 insert(exports_t).values(
                     job_id=job_id, path=path, format=fmt, sha256=sha256, lines=lines, created_at=time.time()

@@ -180,6 +180,11 @@ async def send(
             )
             try:
                 content = await response.aread()
+            except httpx.DecodingError as exc:
+                raise RetryableError(
+                    f"response body could not be decoded: {exc}", status_code=response.status_code,
+                    error_class="bad_response",
+                ) from exc
             except (httpx.TransportError, aiohttp.ClientError, OSError) as exc:
                 raise RetryableError(
                     f"response body cut short: {_describe(exc)}", status_code=response.status_code,

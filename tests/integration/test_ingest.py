@@ -173,3 +173,51 @@ def test_large_input_is_ingested_in_batches(ledger: Ledger, write_jsonl: Callabl
     prepared = prepare_job(ledger, BATCH_SPEC, path, on_batch=lambda s: batches.append(s.lines))
     assert ledger.counts(prepared.job_id)[ItemState.PENDING] == n
     assert len(batches) == 3  # 5000 + 5000 + rest: never the whole file at once
+
+
+def test_rejected_lines_never_duplicate_a_custom_id_in_the_output(
+    ledger: Ledger, write_jsonl: Callable[..., Path], tmp_path: Path
+) -> None:
+    from batchrun.export import export_job
+
+    path = write_jsonl([
+        {"custom_id": "a", "body": "not an object"},
+        batch_line("a"),
+        {"custom_id": "3", "method": "GET", "url": "/v1/chat/completions", "body": {}},
+        b"{broken",  # falls back to its line number, 4
+        batch_line("4"),
+    ])
+    prepared = prepare_job(ledger, BATCH_SPEC, path)
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    export_job(ledger, prepared.job_id, out, errors=errors)
+    ids = [orjson.loads(x)["custom_id"] for x in out.read_bytes().splitlines()]
+    assert sorted(ids) == ["3", "4", "a"] and len(ids) == len(set(ids))
+    errs = {orjson.loads(x)["line"] for x in errors.read_bytes().splitlines()}
+    assert errs == {1, 3, 4}  # every bad line is still reported
+
+
+def test_overlapping_submits_ingest_once(db_url: str, write_jsonl: Callable[..., Path]) -> None:
+    import threading
+
+    from batchrun.errors import JobLockedError
+
+    path = write_jsonl([batch_line(str(i)) for i in range(30_000)])
+    results: list[object] = []
+
+    def submit_once() -> None:
+        with Ledger.open(db_url) as led:
+            try:
+                results.append(prepare_job(led, BATCH_SPEC, path).job_id)
+            except JobLockedError as exc:
+                results.append(exc)
+
+    threads = [threading.Thread(target=submit_once) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with Ledger.open(db_url) as led:
+        jobs = led.list_jobs()
+        assert len(jobs) == 1
+        assert sum(jobs[0][1].values()) == 30_000
+    assert 1 in results

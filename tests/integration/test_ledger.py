@@ -190,3 +190,32 @@ def test_retry_and_cancel(ledger: Ledger) -> None:
 def test_unknown_job(ledger: Ledger) -> None:
     with pytest.raises(JobNotFoundError, match="no job 999"):
         ledger.get_job(999)
+
+
+def test_reads_do_not_wait_for_a_writer(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "l.db"
+    with Ledger.open(db) as ledger:
+        job_id = make_job(ledger, 3)
+        writer = sqlite3.connect(db, isolation_level=None, timeout=0.1)
+        writer.execute("BEGIN IMMEDIATE")  # another process mid-write
+        try:
+            started = time.monotonic()
+            assert ledger.counts(job_id)["pending"] == 3
+            assert len(list(ledger.iter_items(job_id))) == 3
+            assert time.monotonic() - started < 1
+        finally:
+            writer.execute("ROLLBACK")
+            writer.close()
+
+
+def test_nul_characters_are_stored(ledger: Ledger) -> None:
+    job_id = ledger.create_job(SPEC, input_path="in.jsonl", input_hash="nul")
+    ledger.insert_items(job_id, [{"line": 1, "custom_id": "a\x00b", "url": None, "body": "{}", "state": "pending"}])
+    run = ledger.start_run(job_id, "test", exclusive=True)
+    item = ledger.claim(job_id, run, 1, 60)[0]
+    ledger.record(run, [Outcome(item.id, ItemState.SUCCEEDED, 1, output="x\x00y", error_message=None)], [])
+    row = next(ledger.iter_items(job_id))
+    assert row.state == ItemState.SUCCEEDED
+    assert row.output in ("x\x00y", "x\ufffdy")  # SQLite keeps it; PostgreSQL text cannot

@@ -357,3 +357,34 @@ def test_an_outage_pauses_and_stops_with_items_pending(
     again = run(ledger, job_id)
     assert again.exit_code == EXIT_OK
     assert max(r.attempts for r in ledger.iter_items(job_id)) <= 3
+
+
+def test_a_ledger_failure_mid_run_stops_promptly_with_a_clear_error(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from batchrun.errors import LedgerWriteError
+
+    server.faults = Faults(latency_s=0.01)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(300)), concurrency=16)
+    real_record = ledger.record
+    calls = {"n": 0}
+
+    def failing_record(*args: object) -> None:  # a disk that fails once: nothing real can be had
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OperationalError("INSERT", {}, Exception("disk I/O error"))
+        real_record(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ledger, "record", failing_record)
+    started = time.monotonic()
+    with pytest.raises(LedgerWriteError, match="disk I/O error") as info:
+        run(ledger, job_id)
+    assert info.value.exit_code == 75
+    assert time.monotonic() - started < 15  # not the 30 s grace with everyone stuck
+    monkeypatch.setattr(ledger, "record", real_record)
+    with ledger.engine.begin() as conn:  # the dead run's lock and leases are taken over
+        conn.exec_driver_sql("update jobs set lock_heartbeat = 0")
+    assert run(ledger, job_id).exit_code == EXIT_OK
+    assert max(server.ok_by_key().values()) <= 2
