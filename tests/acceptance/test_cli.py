@@ -332,3 +332,107 @@ def test_max_runtime_stops_cleanly_with_exit_75(tmp_path: Path, server: FakeOpen
     done = run_cli(tmp_path, "resume", "1", "--db", str(db), "--concurrency", "64")
     assert done.returncode == 0
     assert set(server.requests_by_key().values()) == {1}
+
+
+def test_resume_finishes_an_interrupted_ingest(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    from batchrun.ingest import hash_input
+    from batchrun.ledger import Ledger
+    from batchrun.spec import load_spec
+
+    spec_path, records, db = write_spec(tmp_path, server), write_records(tmp_path, 30), tmp_path / "l.db"
+    spec = load_spec(spec_path)
+    with Ledger.open(db) as ledger:  # a submit killed after its first ingest batch
+        job_id = ledger.create_job(spec, input_path=str(records), input_hash=hash_input(records))
+        ledger.insert_items(
+            job_id,
+            [{"line": i, "custom_id": f"r{i - 1}", "url": None, "body": orjson.dumps(
+                {"model": "m", "messages": [{"role": "user", "content": f"Say hello {i - 1}"}], "max_tokens": 50}
+            ).decode(), "state": "pending"} for i in range(1, 11)],
+        )
+    out = tmp_path / "out.jsonl"
+    proc = run_cli(tmp_path, "resume", str(job_id), "--db", str(db), "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert len(out.read_bytes().splitlines()) == 30
+    assert len(server.log) == 30
+
+    with Ledger.open(db) as ledger:
+        job2 = ledger.create_job(spec, input_path=str(records), input_hash="not-this-content")
+    changed = run_cli(tmp_path, "resume", str(job2), "--db", str(db))
+    assert changed.returncode == 2
+    assert "was interrupted while reading its input" in changed.stderr
+
+
+def test_sigterm_during_a_long_retry_after_exits_at_once(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    server.faults = Faults(p_429=1.0, retry_after_s=120)
+    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 20), tmp_path / "l.db"
+    proc = start_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--quiet")
+    deadline = time.monotonic() + 30
+    while not server.log and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 75
+    assert time.monotonic() - started < 10  # the shared pause is interrupted, not waited out
+
+
+def test_errors_target_is_checked_before_sending(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    spec, records = write_spec(tmp_path, server), write_records(tmp_path, 5)
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me\n")
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(tmp_path / "l.db"),
+                   "--output", str(tmp_path / "o.jsonl"), "--errors", str(precious))
+    assert proc.returncode == 2 and "precious.txt already exists" in proc.stderr
+    assert len(server.log) == 0 and precious.read_text() == "keep me\n"
+
+
+def test_sigterm_while_reading_a_big_input_exits_75_and_carries_on(tmp_path: Path) -> None:
+    src = tmp_path / "big.jsonl"
+    with open(src, "wb") as f:
+        for i in range(300_000):
+            f.write(orjson.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": {"model": "m", "messages": [{"role": "user", "content": f"x{i}"}]}}) + b"\n")
+    db = tmp_path / "l.db"
+    args = ("submit", "--input", str(src), "--base-url", "http://127.0.0.1:9/v1", "--db", str(db), "--quiet")
+    proc = start_cli(tmp_path, *args)
+    deadline = time.monotonic() + 60
+    import sqlite3
+
+    while time.monotonic() < deadline:
+        try:
+            with sqlite3.connect(db) as conn:
+                if conn.execute("select count(*) from items").fetchone()[0] > 0:
+                    break
+        except sqlite3.OperationalError:
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    if proc.returncode == 75:
+        assert "stopped while reading the input" in stderr
+    with sqlite3.connect(db) as conn:
+        stored = conn.execute("select count(*) from items").fetchone()[0]
+        done = conn.execute("select ingest_done from jobs").fetchone()[0]
+    assert proc.returncode == 75 and stored < 300_000 and not done
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["status", "--db", "/etc/passwd/x.db"], "cannot open ledger"),
+        (["submit", "--input", "x.jsonl", "--base-url", "http://[::1/v1"], "not a valid URL"),
+        (["submit", "--input", "x.jsonl", "--base-url", "http://127.0.0.1:99999/v1"], "port 99999 is out of range"),
+    ],
+)
+def test_bad_paths_and_urls_exit_2_without_traceback(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "x.jsonl").write_text("{}\n")
+    proc = run_cli(tmp_path, *[str(tmp_path / a) if a.endswith(".jsonl") else a for a in args])
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_non_finite_spec_numbers_are_refused(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    spec = write_spec(tmp_path, server, SPEC.replace("concurrency = 4", "concurrency = 4\nlease_seconds = nan"))
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(write_records(tmp_path, 1)), "--db", str(tmp_path / "l.db"))
+    assert proc.returncode == 2 and "[run] lease_seconds = nan: expected a finite number" in proc.stderr
