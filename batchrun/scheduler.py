@@ -132,7 +132,7 @@ class _ItemWork:
     last_attempt: AttemptRecord | None = None
     input_tokens: int = 0
     output_tokens: int = 0
-    cost_usd: float = 0.0
+    cost_usd: float | None = None  # None until an attempt had a price
 
 
 class JobRunner:
@@ -483,8 +483,9 @@ class JobRunner:
         self.stats.output_tokens += reply.output_tokens or 0
         work.input_tokens += reply.input_tokens or 0
         work.output_tokens += reply.output_tokens or 0
-        work.cost_usd += record.cost_usd or 0.0
-        self.stats.cost_usd += record.cost_usd or 0.0
+        if record.cost_usd is not None:
+            work.cost_usd = (work.cost_usd or 0.0) + record.cost_usd
+            self.stats.cost_usd += record.cost_usd
         return reply
 
     def _in_outage(self) -> bool:

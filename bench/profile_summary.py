@@ -12,7 +12,7 @@ roughly a share of the process's CPU time. Prints:
 - inclusive time of batchrun's own functions (what to optimise, with callees);
 - the top leaf functions and the top inclusive functions overall.
 
-``--phase run`` keeps only stacks under ``JobRunner.run`` / the ledger thread (the request
+``--phase run`` keeps only stacks under ``asyncio.run`` / the ledger thread (the request
 loop), ``--phase ingest`` only those under ``prepare_job``.
 """
 
@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("profile", type=Path)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--phase", choices=["all", "run", "ingest"], default="all")
+    ap.add_argument("--focus", action="append", default=[],
+                    help="also print the inclusive share of functions containing this text (repeatable)")
     args = ap.parse_args()
 
     threads: Counter[str] = Counter()
@@ -72,7 +74,9 @@ def main() -> None:
             frames = frames[1:]
             thread = re.sub(r"^thread \(\d+\): ?", "", thread) or "?"
         if args.phase == "run":
-            if not (thread.startswith("batchrun-ledger") or any(f.startswith("JobRunner.run ") for f in frames)):
+            # the event loop (item tasks start at Handle._run, not under JobRunner.run) + ledger thread
+            if not (thread.startswith("batchrun-ledger")
+                    or any(f.startswith("Runner.run (asyncio/runners.py") for f in frames)):
                 continue
         elif args.phase == "ingest":
             if not any(f.startswith("prepare_job ") for f in frames):
@@ -105,6 +109,9 @@ def main() -> None:
     show("inclusive time of batchrun functions", incl_fn, args.top, lambda k: "(batchrun/" in k)
     show("self time by function (leaf frame)", self_fn, args.top)
     show("inclusive time, all functions", incl_fn, args.top)
+    if args.focus:
+        show("inclusive time of --focus functions", incl_fn, 1000,
+             lambda k: any(f in k for f in args.focus))
 
 
 if __name__ == "__main__":

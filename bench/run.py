@@ -134,8 +134,7 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     pyv = subprocess.run([PY, "-V"], capture_output=True, text=True).stdout.strip()
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": pyv, "kernel": platform.release(),
-            "loadavg_at_start": os.getloadavg()[0]}
+    return {"nproc": os.cpu_count(), "cpu": cpu, "python": pyv, "kernel": platform.release()}
 
 
 def cli_supports(command: str, flag: str) -> bool:
@@ -700,11 +699,13 @@ def main() -> int:
     EXTRA_ARGS.extend(shlex.split(args.extra_args))
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(args.out, args.profile, args.keep_big, args.kill_delay)
-    meta = {**machine(), **code_fingerprint()}
+    static = machine()
     failures = 0
     for _ in range(args.repeat):
         for name in names:
             started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            # per run: other people may be changing the code (and loading the machine) meanwhile
+            meta = {**static, "loadavg_at_start": os.getloadavg()[0], **code_fingerprint()}
             try:
                 figures = SCENARIOS[name](ctx)
             except Exception as exc:  # record the failure, go on with the next scenario
