@@ -49,16 +49,42 @@ def package(file: str) -> str:
     return head
 
 
+# (category, markers): a sample goes to the first category with a marker in any of its frames.
+BREAKDOWN = [
+    ("ledger: Ledger.record (commit outcomes + attempts)", ["Ledger.record ("]),
+    ("ledger: Ledger.claim", ["Ledger.claim ("]),
+    ("ledger: other Ledger calls (ingest, counts, ...)", ["(batchrun/ledger/"]),
+    ("ledger thread: waiting in the executor (_worker, idle or GIL wait)", ["#thread:batchrun-ledger"]),
+    ("imports", ["_find_and_load ("]),
+    ("httpx: build_request (URL parse, headers, cookies)", ["BaseClient.build_request ("]),
+    ("httpx: cookie extraction from responses", ["Cookies.extract_cookies ("]),
+    ("aiohttp transport: send request, read response head", ["AiohttpTransport.handle_async_request ("]),
+    ("httpx: send() bookkeeping (auth/redirect/hooks)", ["AsyncClient.send ("]),
+    ("httpx: Response.aread / aclose", ["Response.aread (", "Response.aclose ("]),
+    ("aiohttp: protocol data_received (response parsing)", ["data_received ("]),
+    ("batchrun: OpenAIProvider.parse / prepare", ["OpenAIProvider."]),
+    ("tenacity (per-item AsyncRetrying)", ["(tenacity/"]),
+    ("asyncio.timeout", ["(asyncio/timeouts.py"]),
+    ("batchrun: rate limiting (ratelimit.py)", ["(batchrun/ratelimit.py"]),
+    ("batchrun: scheduler code (incl. asyncio calls it makes)", ["(batchrun/scheduler.py"]),
+    ("asyncio: event loop, selector, tasks", ["(asyncio/", "(selectors.py"]),
+    ("other", [""]),
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("profile", type=Path)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--phase", choices=["all", "run", "ingest"], default="all")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print a one-category-per-sample breakdown of the request loop")
     ap.add_argument("--focus", action="append", default=[],
                     help="also print the inclusive share of functions containing this text (repeatable)")
     args = ap.parse_args()
 
     threads: Counter[str] = Counter()
+    breakdown: Counter[str] = Counter()
     self_pkg: Counter[str] = Counter()
     self_fn: Counter[str] = Counter()
     incl_fn: Counter[str] = Counter()
@@ -83,6 +109,11 @@ def main() -> None:
                 continue
         total += n
         threads[thread] += n
+        tagged = frames + [f"#thread:{thread}"]
+        for cat, markers in BREAKDOWN:
+            if any(m in fr for fr in tagged for m in markers):
+                breakdown[cat] += n
+                break
         if frames:
             func, file = parse_frame(frames[-1])
             self_pkg[package(file)] += n
@@ -109,6 +140,8 @@ def main() -> None:
     show("inclusive time of batchrun functions", incl_fn, args.top, lambda k: "(batchrun/" in k)
     show("self time by function (leaf frame)", self_fn, args.top)
     show("inclusive time, all functions", incl_fn, args.top)
+    if args.breakdown:
+        show("breakdown (each sample counted once, first matching category)", breakdown, 100)
     if args.focus:
         show("inclusive time of --focus functions", incl_fn, 1000,
              lambda k: any(f in k for f in args.focus))

@@ -42,6 +42,8 @@ BENCH = ROOT / "bench"
 PY = os.environ.get("BENCH_PYTHON", str(ROOT / ".venv" / "bin" / "python"))
 BATCHRUN = os.environ.get("BENCH_BATCHRUN", str(ROOT / ".venv" / "bin" / "batchrun"))
 PYSPY = os.environ.get("BENCH_PYSPY", shutil.which("py-spy") or "/tmp/prof/bin/py-spy")
+PROFILE_RATE = 100  # py-spy samples per second
+PROFILE_SECONDS = 0  # --profile-seconds: py-spy --duration (0: the whole process)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 MODEL = "m"
@@ -153,7 +155,8 @@ class Child:
         self.stdout_path = workdir / f"{name}.out"
         self.stderr_path = workdir / f"{name}.err"
         if profile is not None:  # py-spy becomes the parent; figures are then not comparable
-            cmd = [PYSPY, "record", "--format", "raw", "--threads", "--rate", "100",
+            cmd = [PYSPY, "record", "--format", "raw", "--threads", "--rate", str(PROFILE_RATE),
+                   *(["--duration", str(PROFILE_SECONDS)] if PROFILE_SECONDS else []),
                    "-o", str(profile), "--"] + cmd
         self.cmd = [str(c) for c in cmd]
         self.samples: list[tuple[float, float, float]] = []  # (wall, cpu_s, rss_mb)
@@ -634,13 +637,14 @@ def t6(ctx: Ctx) -> dict[str, Any]:
     mark_done(db, driver["job_id"], done)
     setup_s = time.time() - t
     counts0 = ledger_counts(db)
+    prof = wd / "profile.txt" if ctx.profile else None
     srv = Server(wd, latency=latency)
     child: Child | None = None
     try:
         # The job was ingested with a dummy base URL: point the resume at the fake server.
         child = Child([BATCHRUN, "resume", str(driver["job_id"]), "--db", str(db), "--quiet",
                        "--base-url", srv.base_url, "--concurrency", str(concurrency), *EXTRA_ARGS],
-                      wd, "resume")
+                      wd, "resume", profile=prof)
         res = child.run(600)
     finally:
         if child is not None:
@@ -658,6 +662,8 @@ def t6(ctx: Ctx) -> dict[str, Any]:
         "resume_maxrss_mb": res["maxrss_mb"], "server_requests": len(recs),
         "final_succeeded": counts.get("succeeded", 0), "counts": counts,
     }
+    if prof is not None:
+        f["profile"] = str(prof)
     f["target"] = "<= 2 s from resume start to first request"
     f["met"] = f["time_to_first_request_s"] is not None and f["time_to_first_request_s"] <= 2
     if res["rc"] != 0 or f["final_succeeded"] != n:
@@ -672,7 +678,7 @@ def t6(ctx: Ctx) -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "t1": t1, "t2": t2, "t3": t3, "t3s": t3s, "t4": t4, "t5": t5, "t6": t6,
 }
-PROFILABLE = {"t1", "t2", "t5"}
+PROFILABLE = {"t1", "t2", "t5", "t6"}
 
 
 def main() -> int:
@@ -683,6 +689,10 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true",
                     help=f"run the measured process under py-spy ({', '.join(sorted(PROFILABLE))}); "
                          "figures of a profiled run are not comparable")
+    ap.add_argument("--profile-seconds", type=int, default=0,
+                    help="with --profile: sample only the first S seconds (py-spy --duration), "
+                         "e.g. t6's start-up")
+    ap.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument("--kill-delay", type=float, default=0.0,
                     help="t4: SIGKILL this many seconds after 50%% are seen succeeded (default 0)")
     ap.add_argument("--extra-args", default="",
@@ -697,6 +707,8 @@ def main() -> int:
         if bad:
             ap.error(f"--profile supports {sorted(PROFILABLE)}, not {bad}")
     EXTRA_ARGS.extend(shlex.split(args.extra_args))
+    global PROFILE_SECONDS, PROFILE_RATE
+    PROFILE_SECONDS, PROFILE_RATE = args.profile_seconds, args.profile_rate
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(args.out, args.profile, args.keep_big, args.kill_delay)
     static = machine()
