@@ -337,9 +337,15 @@ class Ctx:
         self.keep_big = keep_big
 
     def workdir(self, name: str) -> Path:
-        d = self.out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        d.mkdir(parents=True, exist_ok=False)
-        return d
+        stem = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        for i in range(100):
+            d = self.out / (stem if i == 0 else f"{stem}-{i}")
+            try:
+                d.mkdir(parents=True, exist_ok=False)
+                return d
+            except FileExistsError:
+                continue
+        raise RuntimeError(f"cannot make a work dir for {stem}")
 
 
 EXTRA_ARGS: list[str] = []  # --extra-args: appended to every batchrun submit/resume command line
@@ -723,6 +729,8 @@ def main() -> int:
             except Exception as exc:  # record the failure, go on with the next scenario
                 figures = {"error": f"{type(exc).__name__}: {exc}", "met": False}
                 failures += 1
+            if figures.get("problem"):  # a run that did not finish its items meets nothing
+                figures["met"] = False
             line = {"scenario": name, "started": started, "profiled": args.profile,
                     "extra_args": args.extra_args, **figures, "machine": meta}
             text = json.dumps(line, sort_keys=False)

@@ -129,6 +129,14 @@ class ItemRow:
     cost_usd: float | None = None
 
 
+# What a final outcome writes, and what going back to pending keeps of the last attempt.
+_FINAL_COLUMNS = (
+    "state", "status_code", "response", "output", "parsed", "validation_errors", "request_id", "error_class",
+    "error_message", "input_tokens", "output_tokens", "latency_ms", "finished_at", "cost_usd",
+)
+_BACK_COLUMNS = ("status_code", "error_class", "error_message")
+
+
 def _no_nul(value: Any) -> Any:
     """PostgreSQL text cannot hold NUL: store U+FFFD instead (model output can contain it)."""
     return value.replace("\x00", "\ufffd") if isinstance(value, str) and "\x00" in value else value
@@ -465,51 +473,23 @@ class Ledger:
                         [{"b_id": item_id, "b_n": n} for item_id, n in charged.items()],
                     )
             if outcomes:
-                final = [o for o in outcomes if o.state != ItemState.PENDING]
-                back = [o for o in outcomes if o.state == ItemState.PENDING]
                 guard = (
                     (items_t.c.id == bindparam("b_id"))
                     & (items_t.c.lease_owner == run_id)
                     & (items_t.c.state == ItemState.RUNNING)
                 )
-                if final:
-                    conn.execute(
-                        update(items_t)
-                        .where(guard)
-                        .values(
-                            state=bindparam("b_state"),
-                            status_code=bindparam("b_status_code"),
-                            response=bindparam("b_response"),
-                            output=bindparam("b_output"),
-                            parsed=bindparam("b_parsed"),
-                            validation_errors=bindparam("b_validation_errors"),
-                            request_id=bindparam("b_request_id"),
-                            error_class=bindparam("b_error_class"),
-                            error_message=bindparam("b_error_message"),
-                            input_tokens=bindparam("b_input_tokens"),
-                            output_tokens=bindparam("b_output_tokens"),
-                            latency_ms=bindparam("b_latency_ms"),
-                            finished_at=bindparam("b_finished_at"),
-                            cost_usd=bindparam("b_cost_usd"),
-                            lease_owner=None,
-                            lease_expires=None,
-                        ),
-                        [clean(_bind(o)) for o in final],
-                    )
-                if back:
-                    conn.execute(
-                        update(items_t)
-                        .where(guard)
-                        .values(
-                            state=ItemState.PENDING,
-                            status_code=bindparam("b_status_code"),
-                            error_class=bindparam("b_error_class"),
-                            error_message=bindparam("b_error_message"),
-                            lease_owner=None,
-                            lease_expires=None,
-                        ),
-                        [clean(_bind(o)) for o in back],
-                    )
+                for columns, fixed, batch in (
+                    (_FINAL_COLUMNS, {}, [o for o in outcomes if o.state != ItemState.PENDING]),
+                    (_BACK_COLUMNS, {"state": ItemState.PENDING}, [o for o in outcomes if o.state == ItemState.PENDING]),
+                ):
+                    if batch:
+                        values: dict[str, Any] = {c: bindparam(f"b_{c}") for c in columns}
+                        conn.execute(
+                            update(items_t)
+                            .where(guard)
+                            .values(**values, **fixed, lease_owner=None, lease_expires=None),
+                            [clean(_bind(o)) for o in batch],
+                        )
 
     def release(self, run_id: str, item_ids: Sequence[int]) -> None:
         """Give leased items back (to pending) untouched."""
