@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from batchrun.errors import InputError
-from batchrun.ingest import RequestBuilder, ingest, iter_lines
+from batchrun.ingest import RequestBuilder, iter_lines
 from batchrun.jobs import prepare_job
 from batchrun.ledger import ItemState, Ledger
 from batchrun.providers import provider_for
