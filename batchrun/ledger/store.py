@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import orjson
 from sqlalchemy import Connection, Engine, Table, bindparam, func, insert, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import postgresql
 
 from batchrun.errors import JobLockedError, JobNotFoundError
 from batchrun.ledger.engine import WRITE_OPTION, open_engine
@@ -128,6 +128,14 @@ class ItemRow:
     item_id: int = 0
     cost_usd: float | None = None
 
+
+_ITEM_INSERT_COLUMNS = (
+    "job_id", "line", "custom_id", "url", "body", "state", "attempts", "error_class", "error_message",
+)
+_SQLITE_INSERT_ITEMS = (
+    f"INSERT INTO items ({', '.join(_ITEM_INSERT_COLUMNS)}) VALUES ({', '.join('?' * len(_ITEM_INSERT_COLUMNS))}) "
+    "ON CONFLICT DO NOTHING"
+)
 
 # What a final outcome writes, and what going back to pending keeps of the last attempt.
 _FINAL_COLUMNS = (
@@ -302,11 +310,14 @@ class Ledger:
         if not self.is_sqlite:
             values = [{k: _no_nul(v) for k, v in row.items()} for row in values]
             rows = [{k: _no_nul(v) for k, v in row.items()} for row in rows]
-        dialect = postgresql if not self.is_sqlite else sqlite
-        stmt = dialect.insert(items_t).on_conflict_do_nothing()
         lo, hi = rows[0]["line"], rows[-1]["line"]
         with self._write() as conn:
-            conn.execute(stmt, values)
+            if self.is_sqlite:
+                # The hot path of a big ingest: straight to the driver's executemany,
+                # about 2x faster than SQLAlchemy's per-row parameter processing.
+                conn.exec_driver_sql(_SQLITE_INSERT_ITEMS, [tuple(v[c] for c in _ITEM_INSERT_COLUMNS) for v in values])
+            else:
+                conn.execute(postgresql.insert(items_t).on_conflict_do_nothing(), values)
             stored = set(
                 conn.execute(
                     select(items_t.c.line).where(items_t.c.job_id == job_id, items_t.c.line.between(lo, hi))
