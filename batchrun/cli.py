@@ -214,20 +214,23 @@ def _on_signal(runner: JobRunner, signum: int) -> None:
 
 
 @contextlib.contextmanager
-def _stoppable(what: str) -> Iterator[None]:
-    """SIGINT/SIGTERM during a synchronous phase (reading the input): exit 75, carry on later."""
+def _stoppable() -> Iterator[Callable[[], bool]]:
+    """SIGINT/SIGTERM during a synchronous phase (reading the input) ask it to stop at a clean point.
 
-    def raise_interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+    Yields the ``should_stop`` callable to hand to the library; it raises
+    StoppedError (exit 75) between batches, never in the middle of a write.
+    """
+    seen: list[int] = []
 
-    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    def note(signum: int, frame: object) -> None:
+        seen.append(signum)
+
+    previous = {signum: signal.signal(signum, note) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
-    except KeyboardInterrupt:
-        click.echo(f"batchrun: stopped while {what}; run the same command again to carry on", err=True)
-        sys.exit(EXIT_TEMPFAIL)
+        yield lambda: bool(seen)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _finish(
@@ -302,8 +305,8 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
     with _open(db) as ledger:
-        with _stoppable("reading the input"):
-            prepared = prepare_job(ledger, job_spec, input_path, new=new, strict=strict)
+        with _stoppable() as should_stop:
+            prepared = prepare_job(ledger, job_spec, input_path, new=new, strict=strict, should_stop=should_stop)
         _check_targets(ledger, prepared.job_id, output, errors, force)
         if not as_json:
             click.echo(str(prepared.job_id))
@@ -341,8 +344,8 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
     with _open(db) as ledger:
         ledger.get_job(job)
         _check_targets(ledger, job, output, errors, force)
-        with _stoppable("reading the input"):
-            finish_interrupted_ingest(ledger, job)
+        with _stoppable() as should_stop:
+            finish_interrupted_ingest(ledger, job, should_stop)
         summary = _work(ledger, job, overrides=overrides, command="resume", transport=transport, quiet=quiet or as_json)
         _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
 

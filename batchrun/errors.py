@@ -73,6 +73,12 @@ class JobNotFoundError(BatchrunError):
     exit_code = 2
 
 
+class StoppedError(BatchrunError):
+    """Stopped while reading the input; run the same command again to carry on."""
+
+    exit_code = 75
+
+
 class JobLockedError(BatchrunError):
     """Another run is working on this job."""
 

@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from batchrun.errors import InputError
+from batchrun.errors import InputError, StoppedError
 from batchrun.ledger import ItemState, Ledger
 from batchrun.providers import Provider
 from batchrun.spec import JobSpec, Template, TemplateFieldError
@@ -168,8 +168,13 @@ def ingest(
     builder: RequestBuilder,
     *,
     on_batch: Callable[[IngestStats], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> IngestStats:
-    """Stream ``path`` into the job's items, continuing after the last line already stored."""
+    """Stream ``path`` into the job's items, continuing after the last line already stored.
+
+    ``should_stop`` is asked between batches: a signal stops the ingest at a clean
+    point (StoppedError), never in the middle of a write.
+    """
     stats = IngestStats()
     max_bytes = builder.spec.run.max_line_bytes
     start_after = ledger.last_ingested_line(job_id)
@@ -222,6 +227,10 @@ def ingest(
                 _note(stats, line, bad.reason)
             if len(batch) >= INSERT_BATCH:
                 flush()
+                if should_stop and should_stop():
+                    raise StoppedError(
+                        f"stopped while reading {path} at line {line}; run the same command again to carry on"
+                    )
         flush()
     return stats
 

@@ -58,6 +58,7 @@ def prepare_job(
     new: bool = False,
     strict: bool = False,
     on_batch: Callable[[IngestStats], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> PreparedJob:
     """Find the job for this spec and input content, or create it and ingest the input.
 
@@ -80,7 +81,7 @@ def prepare_job(
                 f"{path}: {checked.rejected} of {checked.lines} lines are bad (--strict), nothing was submitted:\n{shown}"
             )
     job_id, created = ledger.find_or_create_job(spec, input_path=str(path.absolute()), input_hash=input_hash, new=new)
-    stats = _ingest_locked(ledger, job_id, path, builder, on_batch)
+    stats = _ingest_locked(ledger, job_id, path, builder, on_batch, should_stop)
     return PreparedJob(job_id, created, stats)
 
 
@@ -97,6 +98,7 @@ def _ingest_locked(
     path: Path,
     builder: RequestBuilder,
     on_batch: Callable[[IngestStats], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> IngestStats | None:
     """Ingest under the job lock, so an overlapping submit cannot ingest the same file twice."""
     run_id = ledger.start_run(job_id, "ingest", exclusive=True)
@@ -105,7 +107,7 @@ def _ingest_locked(
         if ledger.get_job(job_id).ingest_done:  # the run we waited for finished it
             code = EXIT_OK
             return None
-        stats = ingest(ledger, job_id, path, builder, on_batch=on_batch)
+        stats = ingest(ledger, job_id, path, builder, on_batch=on_batch, should_stop=should_stop)
         ledger.finish_ingest(job_id)
         code = EXIT_OK
         return stats
@@ -113,7 +115,9 @@ def _ingest_locked(
         ledger.end_run(job_id, run_id, code)
 
 
-def finish_interrupted_ingest(ledger: Ledger, job_id: int) -> IngestStats | None:
+def finish_interrupted_ingest(
+    ledger: Ledger, job_id: int, should_stop: Callable[[], bool] | None = None
+) -> IngestStats | None:
     """Carry on an ingest a crash interrupted, from the job's own input file.
 
     Refuses (InputError) if the file is gone or its content changed: the job's
@@ -128,7 +132,7 @@ def finish_interrupted_ingest(ledger: Ledger, job_id: int) -> IngestStats | None
             f"job {job_id} was interrupted while reading its input and {path} is gone or has changed; "
             "submit the original file again to finish it"
         )
-    return _ingest_locked(ledger, job_id, path, _builder(job.spec))
+    return _ingest_locked(ledger, job_id, path, _builder(job.spec), should_stop=should_stop)
 
 
 def exit_code_for(counts: dict[str, int], stop_reason: str | None, *, ingest_done: bool = True) -> int:
