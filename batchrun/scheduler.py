@@ -34,10 +34,9 @@ from typing import Any, TypeVar
 
 import httpx
 import orjson
+from sqlalchemy.exc import SQLAlchemyError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 from tenacity.wait import wait_base
-
-from sqlalchemy.exc import SQLAlchemyError
 
 from batchrun.errors import (
     AuthError,
@@ -174,6 +173,7 @@ class JobRunner:
         self._model_prices: dict[str, Price | None] = {}
         self.request_budget = TokenBucket(spec.run.rpm) if spec.run.rpm > 0 else None
         self.token_budget = TokenBucket(spec.run.tpm) if spec.run.tpm > 0 else None
+        self._budgets = [b for b in (self.request_budget, self.token_budget) if b is not None]
         self._crash: BaseException | None = None
         self._held_slots = 0
         self._failures_in_row = 0
@@ -441,9 +441,8 @@ class JobRunner:
         if isinstance(error, RateLimitedError):
             work.rate_limited += 1
             self.controller.on_rate_limited(error.retry_after)
-            for budget in (self.request_budget, self.token_budget):
-                if budget:
-                    budget.slow_down()
+            for budget in self._budgets:
+                budget.slow_down()
         elif isinstance(error, RetryableError) and outage:
             pass  # an outage is not the item's fault: no attempt is charged
         elif not isinstance(error, AuthError):
@@ -451,25 +450,24 @@ class JobRunner:
             counted = True
             if error is None:
                 self.controller.on_success()
-                for budget in (self.request_budget, self.token_budget):
-                    if budget:
-                        budget.recover()
-                self._note_latency(time.perf_counter() - t0)
+                for budget in self._budgets:
+                    budget.recover()
+                self._note_latency(latency_ms / 1000.0)
         record = AttemptRecord(
-                job_id=self.job.id,
-                item_id=work.item.id,
-                run_id=self.run_id,
-                number=work.counted + work.rate_limited,
-                started_at=started,
-                queue_wait_ms=queue_wait_ms,
-                latency_ms=latency_ms,
-                status_code=reply.status_code if reply else error.status_code if error else None,
-                error_class=error.error_class if error else None,
-                input_tokens=reply.input_tokens if reply else None,
-                output_tokens=reply.output_tokens if reply else None,
-                cached_tokens=reply.cached_tokens if reply else None,
-                cost_usd=self._cost(reply) if reply else None,
-                counted=counted,
+            job_id=self.job.id,
+            item_id=work.item.id,
+            run_id=self.run_id,
+            number=work.counted + work.rate_limited,
+            started_at=started,
+            queue_wait_ms=queue_wait_ms,
+            latency_ms=latency_ms,
+            status_code=reply.status_code if reply else error.status_code if error else None,
+            error_class=error.error_class if error else None,
+            input_tokens=reply.input_tokens if reply else None,
+            output_tokens=reply.output_tokens if reply else None,
+            cached_tokens=reply.cached_tokens if reply else None,
+            cost_usd=self._cost(reply) if reply else None,
+            counted=counted,
         )
         self._attempts.append(record)
         work.last_attempt = record

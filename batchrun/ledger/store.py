@@ -150,6 +150,16 @@ def _no_nul(value: Any) -> Any:
     return value.replace("\x00", "\ufffd") if isinstance(value, str) and "\x00" in value else value
 
 
+def _newest_job(spec_hash: str, input_hash: str) -> Any:
+    """The id of the newest job with this spec and input content: a job's identity."""
+    return (
+        select(jobs_t.c.id)
+        .where(jobs_t.c.spec_hash == spec_hash, jobs_t.c.input_hash == input_hash)
+        .order_by(jobs_t.c.id.desc())
+        .limit(1)
+    )
+
+
 def _bind(outcome: Outcome) -> dict[str, Any]:
     """An outcome as bind parameters (``b_`` names: SQLAlchemy reserves the column names)."""
     params = {f"b_{k}": v for k, v in outcome.__dict__.items()}
@@ -214,12 +224,7 @@ class Ledger:
                 key = int(hashlib.sha256(f"{spec_hash}{input_hash}".encode()).hexdigest()[:15], 16)
                 conn.execute(select(func.pg_advisory_xact_lock(key)))
             if not new:
-                found = conn.execute(
-                    select(jobs_t.c.id)
-                    .where(jobs_t.c.spec_hash == spec_hash, jobs_t.c.input_hash == input_hash)
-                    .order_by(jobs_t.c.id.desc())
-                    .limit(1)
-                ).scalar()
+                found = conn.execute(_newest_job(spec_hash, input_hash)).scalar()
                 if found is not None:
                     return int(found), False
             return self._insert_job(conn, spec, input_path, input_hash), True
@@ -244,12 +249,7 @@ class Ledger:
     def find_job(self, spec_hash: str, input_hash: str) -> int | None:
         """The newest job with this spec and input content, if any."""
         with self.engine.connect() as conn:
-            return conn.execute(
-                select(jobs_t.c.id)
-                .where(jobs_t.c.spec_hash == spec_hash, jobs_t.c.input_hash == input_hash)
-                .order_by(jobs_t.c.id.desc())
-                .limit(1)
-            ).scalar()
+            return conn.execute(_newest_job(spec_hash, input_hash)).scalar()
 
     def get_job(self, job_id: int) -> JobRecord:
         with self.engine.connect() as conn:
