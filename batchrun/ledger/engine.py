@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 
 from batchrun.bundled import bundled_dir
 from batchrun.errors import LedgerError
@@ -50,6 +52,24 @@ def alembic_config() -> Any:
     return cfg
 
 
+def _enable_wal(cursor: Any) -> None:
+    """Switch a new database file to WAL once; retried because the switch ignores busy_timeout.
+
+    Two processes opening a brand-new ledger at the same moment (two cron jobs)
+    otherwise fail with "database is locked".
+    """
+    if cursor.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+        return
+    for attempt in Retrying(
+        stop=stop_after_delay(SQLITE_BUSY_TIMEOUT_MS / 1000),
+        wait=wait_random(0.01, 0.1),
+        retry=retry_if_exception(lambda exc: isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)),
+        reraise=True,
+    ):
+        with attempt:
+            cursor.execute("PRAGMA journal_mode = WAL")
+
+
 def create_ledger_engine(url: str) -> Engine:
     """An engine with our SQLite settings: WAL, busy timeout, foreign keys, BEGIN IMMEDIATE."""
     if url.startswith("sqlite"):
@@ -64,7 +84,7 @@ def create_ledger_engine(url: str) -> Engine:
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-            cursor.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(cursor)
             # FULL: a committed result survives power loss too; commits are batched, so it is cheap.
             cursor.execute("PRAGMA synchronous = FULL")
             cursor.execute("PRAGMA foreign_keys = ON")
