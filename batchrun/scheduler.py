@@ -467,6 +467,8 @@ class JobRunner:
             output_tokens=reply.output_tokens if reply else None,
             cached_tokens=reply.cached_tokens if reply else None,
             cost_usd=self._cost(reply) if reply else None,
+            ttft_ms=reply.ttft_ms if reply else None,
+            tpot_ms=reply.tpot_ms if reply else None,
             counted=counted,
         )
         self._attempts.append(record)

@@ -129,6 +129,8 @@ class Attempt(Base):
     output_tokens: Mapped[int | None] = mapped_column(Integer)
     cached_tokens: Mapped[int | None] = mapped_column(Integer)
     cost_usd: Mapped[float | None] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)  # streamed attempts: time to first token
+    tpot_ms: Mapped[float | None] = mapped_column(Float)  # streamed attempts: ms per output token after the first
 
 
 class Export(Base):

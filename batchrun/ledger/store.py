@@ -103,6 +103,8 @@ class AttemptRecord:
     output_tokens: int | None = None
     cached_tokens: int | None = None
     cost_usd: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
     counted: bool = True  # counts against max_attempts (not a 429, an auth refusal or an outage)
 
 

@@ -58,6 +58,8 @@ class Reply:
     limits: RateLimits | None = None
     cached_tokens: int | None = None
     model: str | None = None
+    ttft_ms: float | None = None  # streamed: time to the first output token
+    tpot_ms: float | None = None  # streamed: ms per output token after the first
 
 
 class Provider(Protocol):
