@@ -25,6 +25,7 @@ stored in the ledger and shown in reports.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 # Exit codes (DESIGN.md: Cron and exit codes).
@@ -113,6 +114,7 @@ class ProviderError(BatchrunError):
         super().__init__(message)
         self.status_code = status_code
         self.body = body
+        self.headers: Mapping[str, str] | None = None  # the answer's headers, when there was one
         if error_class is not None:
             self.error_class = error_class  # type: ignore[misc]
 

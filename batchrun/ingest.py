@@ -104,7 +104,7 @@ class RequestBuilder:
         try:
             url, body = self.provider.check_batch_line(record)
         except ValueError as exc:
-            hint = "" if "body" in record else " (or give a SPEC with a [request] template for plain records)"
+            hint = "" if "body" in record or "params" in record else " (or give a SPEC with a [request] template for plain records)"
             raise _BadLine("not_a_request", f"{exc}{hint}") from None
         return custom_id, url, orjson.dumps(body).decode()
 

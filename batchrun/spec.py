@@ -23,8 +23,9 @@ from batchrun.errors import SpecError
 if TYPE_CHECKING:
     from batchrun.pricing import Price
 
-PROVIDER_KINDS = ("openai",)
-DEFAULT_API_KEY_ENV = {"openai": "OPENAI_API_KEY"}
+PROVIDER_KINDS = ("openai", "openai-responses", "anthropic")
+DEFAULT_API_KEY_ENV = {"openai": "OPENAI_API_KEY", "openai-responses": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
+DEFAULT_ANTHROPIC_VERSION = "2023-06-01"
 
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
 _FIELD_PATH = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
@@ -93,10 +94,12 @@ class Template:
 
 @dataclass(frozen=True)
 class ProviderSpec:
-    kind: str = "openai"
+    kind: str = "openai"  # openai (Chat Completions), openai-responses, anthropic (Messages)
     base_url: str | None = None
     model: str | None = None
     api_key_env: str = "OPENAI_API_KEY"
+    anthropic_version: str = DEFAULT_ANTHROPIC_VERSION  # the anthropic-version header (kind = "anthropic")
+    convert_openai_input: bool = False  # anthropic: accept OpenAI Batch lines and convert their bodies
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class RunSpec:
     tpm: float = 0.0  # tokens per minute (prompt estimate + max_tokens, corrected from usage); 0 = no limit
     max_runtime: float = 0.0  # seconds a run may work before it stops cleanly (exit 75); 0 = no limit
     outage_seconds: float = 300.0  # every request failing this long: stop with exit 75, items pending
+    stream: bool = False  # ask for server-sent events: time to first token and per output token are recorded
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,7 @@ class Overrides:
 
     base_url: str | None = None
     model: str | None = None
+    provider_kind: str | None = None  # only for a job without a SPEC (input in a provider's batch form)
     concurrency: int | None = None
     max_attempts: int | None = None
     timeout: float | None = None
@@ -278,10 +283,17 @@ def load_spec(path: str | Path, overrides: Overrides | None = None) -> JobSpec:
 
 
 def spec_for_batch_input(overrides: Overrides) -> JobSpec:
-    """The spec of a job submitted without one: input already in OpenAI Batch form."""
+    """The spec of a job submitted without one: input already in a provider's batch form.
+
+    OpenAI Batch API lines by default; ``--provider anthropic`` for Anthropic
+    Message Batches lines, ``--provider openai-responses`` for Batch lines to /v1/responses.
+    """
     if not overrides.base_url:
-        raise SpecError("without a SPEC, --base-url is required (input must be in OpenAI Batch API form)")
-    data: dict[str, Any] = {"provider": {"kind": "openai", "base_url": overrides.base_url}}
+        raise SpecError("without a SPEC, --base-url is required (input must be in a provider's batch form)")
+    kind = overrides.provider_kind or "openai"
+    if kind not in PROVIDER_KINDS:
+        raise SpecError(f"--provider {kind!r}: expected one of {', '.join(PROVIDER_KINDS)}")
+    data: dict[str, Any] = {"provider": {"kind": kind, "base_url": overrides.base_url}}
     if overrides.model:
         data["provider"]["model"] = overrides.model
     spec = parse_spec(data, where="command line", source=orjson.dumps(data).decode())
@@ -292,7 +304,7 @@ _KNOWN = {
     "": {"name", "provider", "request", "run", "output", "pricing"},
     "pricing": {"input_per_million", "output_per_million", "cached_input_per_million"},
     "output": {"schema", "name", "strict", "validation_retries"},
-    "provider": {"kind", "base_url", "model", "api_key_env"},
+    "provider": {"kind", "base_url", "model", "api_key_env", "anthropic_version", "convert_openai_input"},
     "request": {"system", "template", "messages", "max_tokens", "temperature", "extra"},
     "run": {f.name for f in dataclasses.fields(RunSpec)},
 }
@@ -332,7 +344,11 @@ def parse_spec(
         base_url=base_url.rstrip("/") if base_url else None,
         model=_get(provider_t, "provider", "model", str, where, None),
         api_key_env=_get(provider_t, "provider", "api_key_env", str, where, DEFAULT_API_KEY_ENV[kind]),
+        anthropic_version=_get(provider_t, "provider", "anthropic_version", str, where, DEFAULT_ANTHROPIC_VERSION),
+        convert_openai_input=_get(provider_t, "provider", "convert_openai_input", bool, where, False),
     )
+    if provider.convert_openai_input and kind != "anthropic":
+        raise SpecError(f"{where}: [provider] convert_openai_input only applies to kind = \"anthropic\"")
 
     raw_messages = request_t.get("messages", [])
     if not isinstance(raw_messages, list) or not all(
@@ -360,7 +376,7 @@ def parse_spec(
     run_values: dict[str, Any] = {}
     for f in dataclasses.fields(RunSpec):
         default = getattr(defaults, f.name)
-        expected: type = int if isinstance(default, int) else float
+        expected: type = bool if isinstance(default, bool) else int if isinstance(default, int) else float
         value = _get(run_t, "run", f.name, expected, where, default)
         run_values[f.name] = float(value) if expected is float else value
     run = RunSpec(**run_values)
@@ -501,6 +517,6 @@ def _get(table: Mapping[str, Any], section: str, key: str, expected: type, where
         ok = True
     if not ok:
         label = f"[{section}] " if section else ""
-        kind = {str: "a string", int: "an integer", float: "a number"}[expected]
+        kind = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}[expected]
         raise SpecError(f"{where}: {label}{key} = {value!r}: expected {kind}")
     return value

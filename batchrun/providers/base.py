@@ -1,9 +1,11 @@
-"""What every provider shares: the request/reply shapes, the HTTP client, and
-turning transport failures and HTTP statuses into our error classes."""
+"""What every provider shares: the request/reply shapes, the HTTP client, reading
+plain and streamed (SSE) answers, and turning transport failures and HTTP
+statuses into our error classes."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import time
 from collections.abc import Mapping, Sequence
@@ -13,8 +15,10 @@ from typing import Any, Protocol
 import aiohttp
 import httpx
 import orjson
+from httpx_sse import EventSource, SSEError
 
 from batchrun.errors import AuthError, PermanentError, ProviderError, RateLimitedError, RetryableError
+from batchrun.redact import contains_secret, redact, redact_optional
 from batchrun.spec import JobSpec
 
 RETRYABLE_STATUS = frozenset({408, 409, 425})
@@ -28,9 +32,13 @@ class PreparedRequest:
     url: str
     headers: Mapping[str, str]
     content: bytes
+    stream: bool = False  # the body asks for server-sent events
 
     def __repr__(self) -> str:  # never show the key
-        return f"PreparedRequest(url={self.url!r}, headers={redact_headers(self.headers)!r}, {len(self.content)} bytes)"
+        return (
+            f"PreparedRequest(url={self.url!r}, headers={redact_headers(self.headers)!r}, "
+            f"{len(self.content)} bytes, stream={self.stream})"
+        )
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,26 @@ class Reply:
     model: str | None = None
     ttft_ms: float | None = None  # streamed: time to the first output token
     tpot_ms: float | None = None  # streamed: ms per output token after the first
+    headers: httpx.Headers | None = None  # as received (``batchrun check`` shows the rate-limit ones)
+
+
+class StreamAssembler(Protocol):
+    """Rebuilds one streamed answer from its SSE events.
+
+    The result is the body the same request would have had without streaming,
+    so :meth:`Provider.parse` reads both, and the ledger stores one shape.
+    """
+
+    def feed(self, event: str, data: str) -> bool:
+        """Take one event; True when it carried output (the first marks time to first token).
+
+        An in-band error event raises the ProviderError it stands for.
+        """
+        ...
+
+    def body(self) -> bytes:
+        """The whole answer as a non-streamed JSON body; RetryableError if the stream never finished."""
+        ...
 
 
 class Provider(Protocol):
@@ -72,8 +100,9 @@ class Provider(Protocol):
         """A request body from rendered chat messages and the spec's request settings."""
         ...
 
-    def check_batch_line(self, record: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-        """(url, body) of a provider batch-form input line; ValueError with the reason if it is not one."""
+    def check_batch_line(self, record: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+        """(url or None for the default route, body) of a provider batch-form input line;
+        ValueError with the reason if it is not one."""
         ...
 
     def prepare(
@@ -98,6 +127,10 @@ class Provider(Protocol):
 
     def estimate_tokens(self, request: PreparedRequest) -> int:
         """Tokens a request may use at most, before it is sent (prompt estimate + max_tokens)."""
+        ...
+
+    def stream_assembler(self) -> StreamAssembler:
+        """A fresh assembler for one streamed answer."""
         ...
 
 
@@ -167,13 +200,27 @@ def make_client(spec: JobSpec, *, transport: str = "aiohttp") -> httpx.AsyncClie
 async def send(
     client: httpx.AsyncClient, provider: Provider, request: PreparedRequest, *, total_timeout: float
 ) -> Reply:
-    """One attempt: POST, read the whole body within ``total_timeout``, parse.
+    """One attempt: POST, read the whole answer (plain or streamed) within ``total_timeout``, parse.
 
     Transport failures become RetryableError with class ``timeout``,
-    ``connection`` or ``truncated_body``; statuses are classified by the provider.
+    ``connection``, ``truncated_body`` or, for a stream that breaks midway,
+    ``stream_broken`` (never a half answer); statuses are classified by the
+    provider. Registered secrets are masked in every error and body.
     """
+    try:
+        return await _send(client, provider, request, total_timeout)
+    except ProviderError as exc:
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (redact(exc.args[0]), *exc.args[1:])
+        exc.body = redact_optional(exc.body)
+        raise
+
+
+async def _send(client: httpx.AsyncClient, provider: Provider, request: PreparedRequest, total_timeout: float) -> Reply:
     started = time.perf_counter()
     response: httpx.Response | None = None
+    first_token: float | None = None
+    last_token = 0.0
     try:
         async with asyncio.timeout(total_timeout):
             response = await client.send(
@@ -181,16 +228,27 @@ async def send(
                 stream=True,
             )
             try:
-                content = await response.aread()
+                if request.stream and 200 <= response.status_code < 300 and _is_event_stream(response):
+                    assembler = provider.stream_assembler()
+                    async for event in EventSource(response).aiter_sse():
+                        if assembler.feed(event.event, event.data):
+                            last_token = time.perf_counter()
+                            if first_token is None:
+                                first_token = last_token
+                    content = assembler.body()
+                else:
+                    content = await response.aread()
             except httpx.DecodingError as exc:
                 raise RetryableError(
                     f"response body could not be decoded: {exc}", status_code=response.status_code,
                     error_class="bad_response",
                 ) from exc
-            except (httpx.TransportError, aiohttp.ClientError, OSError) as exc:
+            except (httpx.TransportError, aiohttp.ClientError, OSError, SSEError) as exc:
+                what, error_class = (
+                    ("stream broke off", "stream_broken") if request.stream else ("response body cut short", "truncated_body")
+                )
                 raise RetryableError(
-                    f"response body cut short: {_describe(exc)}", status_code=response.status_code,
-                    error_class="truncated_body",
+                    f"{what}: {_describe(exc)}", status_code=response.status_code, error_class=error_class
                 ) from exc
             finally:
                 await response.aclose()
@@ -201,7 +259,29 @@ async def send(
         what = "timed out" if error_class == "timeout" else "connection failed"
         raise RetryableError(f"{what}: {_describe(exc)}", error_class=error_class) from exc
     latency_ms = (time.perf_counter() - started) * 1000.0
-    return provider.parse(response.status_code, response.headers, content, latency_ms=latency_ms)
+    try:
+        reply = provider.parse(response.status_code, response.headers, content, latency_ms=latency_ms)
+    except ProviderError as exc:
+        exc.headers = response.headers
+        raise
+    if contains_secret(reply.body):
+        reply = dataclasses.replace(reply, body=redact(reply.body), output=redact_optional(reply.output))
+    if first_token is None:
+        return reply
+    ttft_ms = (first_token - started) * 1000.0
+    tokens = reply.output_tokens or 0
+    tpot_ms = (last_token - first_token) * 1000.0 / (tokens - 1) if tokens > 1 else None
+    return dataclasses.replace(reply, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    content_type: str = response.headers.get("content-type", "")
+    return content_type.partition(";")[0].strip() == "text/event-stream"
+
+
+def stream_error(message: str) -> RetryableError:
+    """A stream that ended (cleanly, as far as HTTP goes) before its final event."""
+    return RetryableError(f"stream ended early: {message}", error_class="stream_broken")
 
 
 def transport_error_class(exc: BaseException) -> str:

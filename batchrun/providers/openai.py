@@ -9,8 +9,16 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
-from batchrun.errors import RetryableError
-from batchrun.providers.base import PreparedRequest, RateLimits, Reply, error_for_status, json_or_none
+from batchrun.errors import ProviderError, RetryableError
+from batchrun.providers.base import (
+    PreparedRequest,
+    RateLimits,
+    Reply,
+    StreamAssembler,
+    error_for_status,
+    json_or_none,
+    stream_error,
+)
 from batchrun.ratelimit import parse_reset
 from batchrun.spec import JobSpec
 from batchrun.validate import strict_problem
@@ -23,6 +31,7 @@ class OpenAIProvider:
     """``kind = "openai"``: POST /v1/chat/completions with a Bearer key."""
 
     kind = "openai"
+    path = CHAT_PATH  # the route under the versioned base URL
 
     def __init__(self, spec: JobSpec, api_key: str | None) -> None:
         if not spec.provider.base_url:
@@ -36,6 +45,7 @@ class OpenAIProvider:
             self.headers["authorization"] = f"Bearer {api_key}"
         self.warnings: list[str] = []
         self.response_format = self._response_format(spec)
+        self.stream = spec.run.stream
 
     def _response_format(self, spec: JobSpec) -> dict[str, Any] | None:
         """``response_format`` with the job's schema: strict when the schema allows it."""
@@ -63,7 +73,7 @@ class OpenAIProvider:
         is not given a second one; a bare host gets ``/v1``.
         """
         if path is None:
-            return self.base_url + (CHAT_PATH if self._base_has_path else "/v1" + CHAT_PATH)
+            return self.base_url + (self.path if self._base_has_path else "/v1" + self.path)
         if self._base_has_path and path.startswith("/v1/") and self.base_url.endswith("/v1"):
             path = path[3:]
         return self.base_url + path
@@ -83,6 +93,11 @@ class OpenAIProvider:
 
     def check_batch_line(self, record: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         method, url, body = record.get("method"), record.get("url"), record.get("body")
+        if "params" in record and "body" not in record:
+            raise ValueError(
+                "this is an Anthropic Message Batches request ('params'): use [provider] kind = \"anthropic\" "
+                "(or --provider anthropic)"
+            )
         if not isinstance(body, dict):
             raise ValueError("not an OpenAI Batch API request: 'body' must be a JSON object")
         if method is not None and str(method).upper() != "POST":
@@ -101,9 +116,12 @@ class OpenAIProvider:
         max_tokens: int | None = None,
         followups: Sequence[tuple[str, str]] = (),
     ) -> PreparedRequest:
-        if not (self.model or self.response_format or max_tokens is not None or followups):
+        if not (self.model or self.response_format or max_tokens is not None or followups or self.stream):
             return PreparedRequest(self.endpoint(url), self.headers, body.encode())
         data = orjson.loads(body)
+        if self.stream:
+            data["stream"] = True
+            data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
         if self.model:
             data["model"] = self.model
         if self.response_format is not None and "response_format" not in data:
@@ -116,23 +134,13 @@ class OpenAIProvider:
             for answer, feedback in followups:
                 messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": feedback}]
             data["messages"] = messages
-        return PreparedRequest(self.endpoint(url), self.headers, orjson.dumps(data))
+        return PreparedRequest(self.endpoint(url), self.headers, orjson.dumps(data), stream=self.stream)
+
+    def stream_assembler(self) -> StreamAssembler:
+        return ChatStreamAssembler()
 
     def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
-        data = json_or_none(content)
-        text = content.decode("utf-8", errors="replace")
-        if not 200 <= status_code < 300:
-            message = text[:500]
-            if isinstance(data, dict) and isinstance(data.get("error"), dict):
-                message = str(data["error"].get("message") or message)
-            raise error_for_status(status_code, headers, message, text)
-        if not isinstance(data, dict):
-            raise RetryableError(
-                f"HTTP {status_code} with a body that is not a JSON object: {text[:200]!r}",
-                status_code=status_code,
-                error_class="bad_response",
-                body=text,
-            )
+        data, text = parse_openai_body(status_code, headers, content)
         output: str | None = None
         finish_reason: str | None = None
         refusal: str | None = None
@@ -153,40 +161,151 @@ class OpenAIProvider:
             body=text,
             output=output,
             finish_reason=finish_reason,
-            input_tokens=_int_or_none(usage.get("prompt_tokens")),
-            output_tokens=_int_or_none(usage.get("completion_tokens")),
+            input_tokens=int_or_none(usage.get("prompt_tokens")),
+            output_tokens=int_or_none(usage.get("completion_tokens")),
             request_id=headers.get("x-request-id"),
             refusal=refusal,
-            limits=self.rate_limits(headers),
-            cached_tokens=_int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None,
+            limits=openai_rate_limits(headers),
+            cached_tokens=int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None,
             model=data.get("model") if isinstance(data.get("model"), str) else None,
-        )
-
-    @staticmethod
-    def rate_limits(headers: httpx.Headers) -> RateLimits | None:
-        """``x-ratelimit-remaining-*`` / ``x-ratelimit-reset-*``, when the server sends them."""
-        if "x-ratelimit-remaining-requests" not in headers and "x-ratelimit-remaining-tokens" not in headers:
-            return None
-        return RateLimits(
-            remaining_requests=_int_header(headers.get("x-ratelimit-remaining-requests")),
-            reset_requests_s=parse_reset(headers.get("x-ratelimit-reset-requests")),
-            remaining_tokens=_int_header(headers.get("x-ratelimit-remaining-tokens")),
-            reset_tokens_s=parse_reset(headers.get("x-ratelimit-reset-tokens")),
+            headers=headers,
         )
 
     def estimate_tokens(self, request: PreparedRequest) -> int:
         """A documented heuristic: ~4 bytes of request JSON per prompt token, plus the answer's limit."""
-        data = orjson.loads(request.content)
-        limit = data.get("max_completion_tokens") or data.get("max_tokens") or DEFAULT_ANSWER_TOKENS
-        return len(request.content) // 4 + int(limit)
+        return estimate_tokens(request.content, ("max_completion_tokens", "max_tokens"))
 
 
-def _int_header(value: str | None) -> int | None:
+class ChatStreamAssembler:
+    """``chat.completion.chunk`` events back into one ``chat.completion`` body."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.refusal: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: Any = None
+        self.head: dict[str, Any] = {}
+        self.done = False
+
+    def feed(self, event: str, data: str) -> bool:
+        if data == "[DONE]":
+            self.done = True
+            return False
+        chunk = stream_event_json(data)
+        if isinstance(chunk.get("error"), dict):
+            raise openai_error_event(chunk["error"], data)
+        if not self.head:
+            self.head = {k: chunk[k] for k in ("id", "created", "model", "system_fingerprint") if k in chunk}
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        carried = False
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.parts.append(delta["content"])
+                carried = True
+            if delta.get("refusal"):
+                self.refusal.append(delta["refusal"])
+                carried = True
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return carried
+
+    def body(self) -> bytes:
+        if not (self.done or (self.finish_reason and self.usage)):
+            raise stream_error("no finish_reason and [DONE] after the last chunk")
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.parts) if self.parts else None}
+        if self.refusal:
+            message["refusal"] = "".join(self.refusal)
+        elif message["content"] is None:
+            message["content"] = ""
+        return orjson.dumps({
+            **self.head,
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": self.finish_reason}],
+            "usage": self.usage,
+        })
+
+
+def parse_openai_body(status_code: int, headers: httpx.Headers, content: bytes) -> tuple[dict[str, Any], str]:
+    """(JSON object, text) of a 2xx OpenAI answer; the right ProviderError for anything else."""
+    data = json_or_none(content)
+    text = content.decode("utf-8", errors="replace")
+    if not 200 <= status_code < 300:
+        message = text[:500]
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            message = str(data["error"].get("message") or message)
+        raise error_for_status(status_code, headers, message, text)
+    if not isinstance(data, dict):
+        raise RetryableError(
+            f"HTTP {status_code} with a body that is not a JSON object: {text[:200]!r}",
+            status_code=status_code,
+            error_class="bad_response",
+            body=text,
+        )
+    return data, text
+
+
+# In-band errors of a stream carry no HTTP status: their type/code stands for one.
+_OPENAI_ERROR_STATUS = {
+    "rate_limit_exceeded": 429, "requests": 429, "tokens": 429, "insufficient_quota": 429,
+    "server_error": 500, "internal_error": 500, "overloaded": 503, "service_unavailable": 503,
+    "invalid_api_key": 401, "authentication_error": 401, "permission_denied": 403,
+    "invalid_request_error": 400, "invalid_prompt": 400, "context_length_exceeded": 400,
+}
+
+
+def openai_error_event(error: Any, raw: str) -> ProviderError:
+    """The ProviderError an OpenAI in-band error object (``{"message", "type", "code"}``) stands for."""
+    error = error if isinstance(error, dict) else {}
+    status = 500
+    for key in ("code", "type"):
+        value = error.get(key)
+        if isinstance(value, str) and value in _OPENAI_ERROR_STATUS:
+            status = _OPENAI_ERROR_STATUS[value]
+            break
+    message = str(error.get("message") or "error event in the stream")
+    return error_for_status(status, httpx.Headers(), f"(in the stream) {message}", raw)
+
+
+def stream_event_json(data: str) -> dict[str, Any]:
+    """One SSE event's JSON object; a bad event is a retryable bad_response."""
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise RetryableError(f"stream event is not a JSON object: {data[:200]!r}", error_class="bad_response")
+    return value
+
+
+def openai_rate_limits(headers: httpx.Headers) -> RateLimits | None:
+    """``x-ratelimit-remaining-*`` / ``x-ratelimit-reset-*``, when the server sends them."""
+    if "x-ratelimit-remaining-requests" not in headers and "x-ratelimit-remaining-tokens" not in headers:
+        return None
+    return RateLimits(
+        remaining_requests=int_header(headers.get("x-ratelimit-remaining-requests")),
+        reset_requests_s=parse_reset(headers.get("x-ratelimit-reset-requests")),
+        remaining_tokens=int_header(headers.get("x-ratelimit-remaining-tokens")),
+        reset_tokens_s=parse_reset(headers.get("x-ratelimit-reset-tokens")),
+    )
+
+
+def estimate_tokens(content: bytes, limit_keys: Sequence[str]) -> int:
+    """~4 bytes of request JSON per prompt token (a documented heuristic), plus the answer's limit."""
+    data = orjson.loads(content)
+    limit = next((data[k] for k in limit_keys if data.get(k)), DEFAULT_ANSWER_TOKENS)
+    return len(content) // 4 + int(limit)
+
+
+def int_header(value: str | None) -> int | None:
     try:
         return int(value) if value is not None else None
     except ValueError:
         return None
 
 
-def _int_or_none(value: Any) -> int | None:
+def int_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None

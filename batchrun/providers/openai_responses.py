@@ -1,0 +1,177 @@
+"""OpenAI Responses API (``POST /v1/responses``).
+
+Differs from Chat Completions in: ``input`` and ``instructions`` instead of
+``messages``, ``max_output_tokens``, structured output under ``text.format``,
+an ``output`` list of items with ``output_text``/``refusal`` parts, ``status``
+(``incomplete`` with a reason instead of ``finish_reason``), usage named
+``input_tokens``/``output_tokens``, and typed stream events ending in
+``response.completed``/``response.incomplete``/``response.failed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import orjson
+
+from batchrun.errors import ProviderError
+from batchrun.providers.base import PreparedRequest, Reply, StreamAssembler, stream_error
+from batchrun.providers.openai import (
+    OpenAIProvider,
+    estimate_tokens,
+    int_or_none,
+    openai_error_event,
+    openai_rate_limits,
+    parse_openai_body,
+    stream_event_json,
+)
+from batchrun.spec import JobSpec
+
+RESPONSES_PATH = "/responses"
+_INCOMPLETE_FINISH = {"max_output_tokens": "length", "content_filter": "content_filter"}
+
+
+class OpenAIResponsesProvider(OpenAIProvider):
+    """``kind = "openai-responses"``: POST /v1/responses with a Bearer key."""
+
+    kind = "openai-responses"
+    path = RESPONSES_PATH
+
+    def __init__(self, spec: JobSpec, api_key: str | None) -> None:
+        super().__init__(spec, api_key)
+        chat_format = self.response_format
+        self.text_format: dict[str, Any] | None = None
+        if chat_format is not None:
+            inner = chat_format["json_schema"]
+            self.text_format = {"type": "json_schema", "name": inner["name"], "schema": inner["schema"],
+                                "strict": inner["strict"]}
+
+    def render_body(self, messages: Sequence[Mapping[str, str]]) -> dict[str, Any]:
+        req = self.spec.request
+        body: dict[str, Any] = {}
+        if self.model:
+            body["model"] = self.model
+        instructions = [m["content"] for m in messages if m["role"] in ("system", "developer")]
+        if instructions:
+            body["instructions"] = "\n\n".join(instructions)
+        body["input"] = [dict(m) for m in messages if m["role"] not in ("system", "developer")]
+        if req.max_tokens is not None:
+            body["max_output_tokens"] = req.max_tokens
+        if req.temperature is not None:
+            body["temperature"] = req.temperature
+        body.update(req.extra)
+        return body
+
+    def check_batch_line(self, record: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        url, body = super().check_batch_line(record)
+        if not url.rstrip("/").endswith(RESPONSES_PATH):
+            raise ValueError(f"url {url!r} is not the Responses API (/v1/responses); use [provider] kind = \"openai\"")
+        if "input" not in body:
+            raise ValueError("body has no 'input' (a Responses API request needs one)")
+        return url, body
+
+    def prepare(
+        self,
+        url: str | None,
+        body: str,
+        *,
+        max_tokens: int | None = None,
+        followups: Sequence[tuple[str, str]] = (),
+    ) -> PreparedRequest:
+        data = orjson.loads(body)
+        if self.model:
+            data["model"] = self.model
+        if self.stream:
+            data["stream"] = True
+        if self.text_format is not None and "format" not in (data.get("text") or {}):
+            data["text"] = {**(data.get("text") or {}), "format": self.text_format}
+        if max_tokens is not None:
+            data["max_output_tokens"] = max_tokens
+        if followups:
+            turns = data.get("input", [])
+            turns = [{"role": "user", "content": turns}] if isinstance(turns, str) else list(turns)
+            for answer, feedback in followups:
+                turns += [{"role": "assistant", "content": answer}, {"role": "user", "content": feedback}]
+            data["input"] = turns
+        return PreparedRequest(self.endpoint(url), self.headers, orjson.dumps(data), stream=self.stream)
+
+    def stream_assembler(self) -> StreamAssembler:
+        return ResponsesStreamAssembler()
+
+    def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
+        data, text = parse_openai_body(status_code, headers, content)
+        status = data.get("status")
+        if status == "failed":
+            raise _failed(data, text)
+        texts: list[str] = []
+        refusals: list[str] = []
+        for item in data.get("output") or ():
+            if not isinstance(item, dict) or item.get("type") != "message":
+                continue
+            for part in item.get("content") or ():
+                if not isinstance(part, dict):
+                    continue
+                if part.get("type") == "output_text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
+                    refusals.append(part["refusal"])
+        finish_reason: str | None = "stop"
+        if status == "incomplete":
+            details = data.get("incomplete_details")
+            reason = details.get("reason") if isinstance(details, dict) else None
+            finish_reason = _INCOMPLETE_FINISH.get(str(reason), str(reason))
+        usage_value = data.get("usage")
+        usage: dict[str, Any] = usage_value if isinstance(usage_value, dict) else {}
+        details = usage.get("input_tokens_details")
+        return Reply(
+            status_code=status_code,
+            body=text,
+            output="".join(texts) if texts or not refusals else None,
+            finish_reason=finish_reason,
+            input_tokens=int_or_none(usage.get("input_tokens")),
+            output_tokens=int_or_none(usage.get("output_tokens")),
+            request_id=headers.get("x-request-id"),
+            refusal="".join(refusals) if refusals else None,
+            limits=openai_rate_limits(headers),
+            cached_tokens=int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None,
+            model=data.get("model") if isinstance(data.get("model"), str) else None,
+            headers=headers,
+        )
+
+    def estimate_tokens(self, request: PreparedRequest) -> int:
+        return estimate_tokens(request.content, ("max_output_tokens",))
+
+
+class ResponsesStreamAssembler:
+    """Typed Responses events; the terminal event carries the whole response object."""
+
+    def __init__(self) -> None:
+        self.final: dict[str, Any] | None = None
+
+    def feed(self, event: str, data: str) -> bool:
+        payload = stream_event_json(data)
+        kind = payload.get("type") or event
+        if kind in ("response.output_text.delta", "response.refusal.delta"):
+            return bool(payload.get("delta"))
+        if kind in ("response.completed", "response.incomplete"):
+            response = payload.get("response")
+            self.final = response if isinstance(response, dict) else None
+        elif kind == "response.failed":
+            response = payload.get("response")
+            raise _failed(response if isinstance(response, dict) else {}, data)
+        elif kind == "error":
+            raise openai_error_event(payload.get("error", payload), data)
+        return False
+
+    def body(self) -> bytes:
+        if self.final is None:
+            raise stream_error("no response.completed or response.incomplete event")
+        return orjson.dumps(self.final)
+
+
+def _failed(response: Mapping[str, Any], raw: str) -> ProviderError:
+    """A response whose ``status`` is ``failed``: its ``error.code`` decides the class."""
+    error = response.get("error")
+    return openai_error_event(error if isinstance(error, dict) else {"message": "the response failed"}, raw)
