@@ -23,6 +23,7 @@ import orjson
 from batchrun.errors import EXIT_OK, EXIT_SOME_FAILED, EXIT_TEMPFAIL, BatchrunError, UsageError
 from batchrun.export import FORMATS, check_target, export_job
 from batchrun.ledger import ItemState, Ledger, default_db_path
+from batchrun.redact import RedactingFilter, redact
 from batchrun.report import job_status
 from batchrun.spec import Overrides, load_spec, spec_for_batch_input
 
@@ -38,7 +39,7 @@ T = TypeVar("T")
 
 
 def _fail(exc: BatchrunError) -> None:
-    click.echo(f"batchrun: error: {exc.message}", err=True)
+    click.echo(f"batchrun: error: {redact(exc.message)}", err=True)
     sys.exit(exc.exit_code)
 
 
@@ -96,6 +97,7 @@ def _overrides(kw: dict[str, Any]) -> Overrides:
         rpm=kw.get("rpm"),
         tpm=kw.get("tpm"),
         max_runtime=kw.get("max_runtime"),
+        provider_kind=kw.get("provider_kind"),
     )
 
 
@@ -137,6 +139,8 @@ def main(verbose: int) -> None:
     """
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="batchrun: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
 
 
 def _work(
@@ -284,6 +288,8 @@ def _finish(
 @click.option("--new", is_flag=True, help="Always create a new job, even if this spec and input were submitted before.")
 @click.option("--strict", is_flag=True, help="Refuse the whole input if any line is bad (nothing is sent).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (job_id, total, counts, ...) at the end.")
+@click.option("--provider", "provider_kind", type=click.Choice(["openai", "openai-responses", "anthropic"]),
+              default=None, help="Without a SPEC: the API the batch lines are for (default openai).")
 @db_option
 @override_options
 @handle_errors
@@ -293,12 +299,15 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
 
     The same SPEC and input content find the existing job and carry it on
     (nothing finished is sent again); --new forces a new job. Without a SPEC,
-    the input must be OpenAI Batch API lines and --base-url is required.
+    the input must be batch lines of one provider (OpenAI Batch API lines by
+    default; Anthropic Message Batches lines with --provider anthropic) and
+    --base-url is required.
 
     \b
     Examples:
       batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --output out.jsonl
       batchrun submit --input batch.jsonl --base-url http://127.0.0.1:8000/v1 --model gpt-4o-mini
+      batchrun submit --input claude.jsonl --provider anthropic --base-url https://api.anthropic.com
     """
     from batchrun.jobs import prepare_job
 
@@ -548,6 +557,41 @@ def cancel(job: int, db: str | None) -> None:
         ledger.get_job(job)
         n = ledger.cancel(job)
     click.echo(f"{n} items of job {job} cancelled")
+
+
+@main.command()
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--input", "input_path", required=True, type=click.Path(dir_okay=False),
+              help="JSONL input holding the record to send.")
+@click.option("--line", type=click.IntRange(min=1), default=1, show_default=True, help="Which line of --input.")
+@click.option("--base-url", default=None, help="Override [provider] base_url.")
+@click.option("--model", default=None, help="Override [provider] model.")
+@click.option("--timeout", type=click.FloatRange(min=0.001), default=None, help="Total seconds for the request.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@handle_errors
+def check(spec: str, input_path: str, line: int, as_json: bool, **kw: Any) -> None:
+    """Send ONE real request built from SPEC and a line of --input, and show what came back.
+
+    The smoke test before a big run: the request is built exactly as submit
+    builds it (template, structured output, streaming) and sent once, without
+    retries and without touching the ledger. Shows status, latency, time to
+    first token (streamed specs), request id, usage, rate-limit headers, and
+    the answer checked against the spec's schema. The API key never appears.
+
+    Exit 0 when the request succeeded and the answer is valid, 1 when it
+    failed or the answer is invalid, 2 for a bad spec or input line, 3 when
+    the key was refused.
+
+    \b
+    Example:
+      batchrun check jobs/triage.toml --input jobs/triage.jsonl --line 3
+    """
+    from batchrun.check import check_spec, render_check
+
+    job_spec = load_spec(spec, _overrides(kw))
+    result = _run_loop(check_spec(job_spec, input_path=input_path, line=line))
+    click.echo(orjson.dumps(result.to_dict()).decode() if as_json else render_check(result))
+    sys.exit(result.exit_code)
 
 
 @main.command()

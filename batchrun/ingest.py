@@ -259,3 +259,19 @@ def _open_input(path: str | os.PathLike[str]) -> BinaryIO:
         raise InputError(f"{path}: no such input file") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read input: {exc.strerror or exc}") from exc
+
+
+def read_request(path: str | os.PathLike[str], builder: RequestBuilder, line: int) -> tuple[str, str | None, str]:
+    """(custom_id, url, body) of one input line, as submit would build it (``batchrun check``).
+
+    InputError names the file, the line and what is wrong with it.
+    """
+    max_bytes = builder.spec.run.max_line_bytes
+    with _open_input(path) as f:
+        for number, raw in iter_lines(f, max_bytes):
+            if number == line:
+                try:
+                    return builder.build(_parse_line(raw, max_bytes), line)
+                except _BadLine as bad:
+                    raise InputError(f"{path}:{line}: {bad.reason}") from None
+    raise InputError(f"{path}: has no line {line}")
