@@ -22,7 +22,9 @@ from batchrun.errors import ExportError
 from batchrun.ledger import ItemRow, ItemState, Ledger
 from batchrun.providers.base import json_or_none
 
-FORMATS = ("results", "openai-batch")
+FORMATS = ("results", "openai-batch", "anthropic-batch")
+# The batch formats carry the provider's own answer bodies, so each fits its provider's jobs.
+_FORMAT_KINDS = {"openai-batch": ("openai", "openai-responses"), "anthropic-batch": ("anthropic",)}
 ERROR_STATES = (ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED)
 
 
@@ -86,6 +88,22 @@ def openai_batch_line(job_id: int, row: ItemRow) -> dict[str, Any]:
         err = _error(row) or {"class": row.state, "message": f"item is {row.state}"}
         error = {"code": err["class"], "message": err["message"]}
     return {"id": f"batch_req_{job_id}_{row.line}", "custom_id": row.custom_id, "response": response, "error": error}
+
+
+def anthropic_batch_line(row: ItemRow) -> dict[str, Any]:
+    """The Anthropic Message Batches results line shape (``result.type``: succeeded, errored, canceled)."""
+    result: dict[str, Any]
+    if row.state == ItemState.SUCCEEDED:
+        result = {"type": "succeeded", "message": json_or_none(row.response.encode()) if row.response else None}
+    elif row.state == ItemState.CANCELLED:
+        result = {"type": "canceled"}
+    else:
+        err = _error(row) or {"class": row.state, "message": f"item is {row.state}"}
+        body = json_or_none(row.response.encode()) if row.response else None
+        if not (isinstance(body, dict) and body.get("type") == "error"):
+            body = {"type": "error", "error": {"type": err["class"], "message": err["message"]}}
+        result = {"type": "errored", "error": body}
+    return {"custom_id": row.custom_id, "result": result}
 
 
 def errors_line(row: ItemRow) -> dict[str, Any]:
@@ -181,7 +199,14 @@ def export_job(
     """Write the job's items to ``output`` (one line per input record) and, if asked, the errors file."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    structured = ledger.get_job(job_id).spec.output.schema is not None
+    spec = ledger.get_job(job_id).spec
+    structured = spec.output.schema is not None
+    if fmt in _FORMAT_KINDS and spec.provider.kind not in _FORMAT_KINDS[fmt]:
+        raise ExportError(
+            f"--format {fmt} holds {' or '.join(_FORMAT_KINDS[fmt])} answers, but job {job_id} is a "
+            f"{spec.provider.kind} job; use --format results"
+            + (" or anthropic-batch" if spec.provider.kind == "anthropic" else " or openai-batch")
+        )
     path = Path(output).absolute()
     errors_path = Path(errors).absolute() if errors else None
     if errors_path == path:
@@ -196,7 +221,12 @@ def export_job(
         for row in ledger.iter_items(job_id):
             if row.line in shadowed:
                 continue  # its custom_id belongs to another line; it is listed in the errors file
-            yield results_line(row, structured=structured) if fmt == "results" else openai_batch_line(job_id, row)
+            if fmt == "results":
+                yield results_line(row, structured=structured)
+            elif fmt == "openai-batch":
+                yield openai_batch_line(job_id, row)
+            else:
+                yield anthropic_batch_line(row)
 
     lines, sha = write_atomic(path, main_lines())
     ledger.record_export(job_id, str(path), fmt, sha, lines)
