@@ -42,6 +42,7 @@ h2 { font-size: 16px; margin: 28px 0 8px; }
 .card .v { font-size: 20px; font-weight: 600; }
 .card .k { color: var(--muted); font-size: 12px; }
 table { border-collapse: collapse; width: 100%; margin: 4px 0; }
+table.narrow { width: auto; min-width: 260px; }
 th, td { border-bottom: 1px solid var(--line); padding: 5px 8px; text-align: left; vertical-align: top; }
 th { background: var(--panel); font-weight: 600; }
 td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
@@ -148,14 +149,14 @@ def bar_chart(
 def latency_chart(data: dict[str, Any]) -> str:
     hist = data.get("latency_histogram")
     if not hist:
-        return '<p class="empty">No answered requests yet.</p>'
+        return '<p class="empty">No clean answer yet.</p>'
     low, width, counts = hist["low_ms"], hist["width_ms"], hist["counts"]
     edges = [low + i * width for i in range(len(counts) + 1)]
     tips = [f"{_tick_label(edges[i])}–{_tick_label(edges[i + 1])} ms: {c:,} requests" for i, c in enumerate(counts)]
     lat = data["latency_ms"]
     marks = [(f"p{p}", lat[f"p{p}"]) for p in PERCENTILES if lat[f"p{p}"] is not None]
     chart = bar_chart(
-        counts, edges, label="Latency histogram of answered requests", x_title="latency (ms)", y_title="requests",
+        counts, edges, label="Latency histogram of clean answers", x_title="latency (ms)", y_title="requests",
         tips=tips, tail=hist["overflow"],
         tail_tip=f"{_tick_label(hist['overflow_from_ms'])} ms or more: {hist['overflow']:,} requests", marks=marks,
     )
@@ -266,14 +267,14 @@ def render_html(data: dict[str, Any]) -> str:
 <section class="cards">
 {"".join(f'<div class="card"><div class="v">{e(v)}</div><div class="k">{e(k)}</div></div>' for v, k in cards)}
 </section>
-<h2>Latency of answered requests</h2>
+<h2>Latency of clean answers</h2>
 {latency_chart(data)}
 <h2>Throughput over time</h2>
 {throughput_chart(data)}
 <h2>Timing</h2>
 <table>{_head("", "count", *(f"p{p}" for p in PERCENTILES), "mean", "max", numeric=range(1, 7))}{_rows(timing)}</table>
-<p class="note">Latency and TTFT (time to first token, streamed requests only) cover answered requests; queue wait
-covers every request, from when the item was ready to when its request was sent.</p>
+<p class="note">Latency and TTFT (time to first token, streamed requests only) cover clean answers (no transport,
+HTTP or output error); queue wait covers every request, from when the item was ready to when its request was sent.</p>
 <h2>Job</h2>
 <table>{_rows([[("", e(k)), ("", e(v))] for k, v in overview])}</table>
 <h2>Errors by class</h2>
@@ -281,7 +282,7 @@ covers every request, from when the item was ready to when its request was sent.
 <h2>Errors by HTTP status</h2>
 {error_table("status", data["errors_by_status"])}
 <h2>Requests per item</h2>
-<table>{_head("requests", "items", numeric=(0, 1))}{_rows(attempts)}</table>
+<table class="narrow">{_head("requests", "items", numeric=(0, 1))}{_rows(attempts)}</table>
 <footer>batchrun report of job {data['job_id']} · ledger figures as of {e(generated)}</footer>
 </body>
 </html>

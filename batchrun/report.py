@@ -32,7 +32,7 @@ from batchrun.ledger import ItemState, Ledger
 from batchrun.ledger.store import AttemptTotals, Distribution, ErrorGroup
 
 PERCENTILES = (50, 90, 99)
-# Attempt measures: total latency and TTFT of answered requests, queue wait of every request.
+# Attempt measures: total latency and TTFT of clean answers, queue wait of every request.
 MEASURES = {"latency_ms": "latency", "queue_wait_ms": "queue wait", "ttft_ms": "TTFT"}
 NONE = "—"  # shown where there is no value (no streamed attempt, no answer yet)
 HTML_GENERATOR = "batchrun report"  # <meta name="generator">: marks a file we may replace
@@ -299,7 +299,10 @@ def status_lines(data: dict[str, Any]) -> list[str]:
         lines.append("  retried   " + "  ".join(f"{k} {v}" for k, v in data["attempt_errors"].items()))
     if data["errors_by_status"]:
         lines.append(
-            "  statuses  " + "  ".join(f"{k} {v['attempts'] + v['items']}" for k, v in data["errors_by_status"].items())
+            "  statuses  "
+            + "  ".join(
+                f"{'no-response' if k == 'none' else k} {v['attempts']}" for k, v in data["errors_by_status"].items()
+            )
         )
     lines.append("  attempts  " + "  ".join(f"{n}x {items}" for n, items in data["attempts_histogram"].items() if items))
     return lines

@@ -700,7 +700,7 @@ class Ledger:
     # method here brings a whole column into Python.
 
     def _measure(self, job_id: int, measure: str) -> tuple[Any, list[ColumnElement[bool]]]:
-        """An attempt measure and the attempts it covers: answered ones for latency and TTFT, all for queue wait."""
+        """An attempt measure and the attempts it covers: clean answers for latency and TTFT, all for queue wait."""
         columns = {"latency_ms": attempts_t.c.latency_ms, "queue_wait_ms": attempts_t.c.queue_wait_ms,
                    "ttft_ms": attempts_t.c.ttft_ms}
         if measure not in columns:

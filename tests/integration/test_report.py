@@ -203,9 +203,13 @@ def test_failed_items_by_status_and_class_with_an_example(
     assert data["attempts_histogram"] == {"0": 1, "1": 6}
     assert data["latency_ms"]["count"] == 0 and data["latency_ms"]["p50"] is None
 
-    text = cli("report", str(job_id), "--db", db_url).stdout
+    page = tmp_path / "failed.html"
+    text = cli("report", str(job_id), "--db", db_url, "--html", str(page)).stdout
     assert "Errors by class" in text and "client_error" in text and "HTTP 400" in text
     assert "Errors by HTTP status" in text and "not valid JSON" in text
+    html = page.read_text()
+    assert "<svg" not in html and "No clean answer yet." in html and "No item has succeeded yet." in html
+    assert "HTTP 400" in html and "invalid_json" in html
 
 
 # -- percentiles in the database ------------------------------------------------
