@@ -23,6 +23,7 @@ import orjson
 from batchrun.errors import EXIT_OK, EXIT_SOME_FAILED, EXIT_TEMPFAIL, BatchrunError, UsageError
 from batchrun.export import FORMATS, check_target, export_job
 from batchrun.ledger import ItemState, Ledger, default_db_path
+from batchrun.report import job_status
 from batchrun.spec import Overrides, load_spec, spec_for_batch_input
 
 if TYPE_CHECKING:
@@ -363,7 +364,7 @@ def _latest_job(ledger: Ledger) -> int:
     return listed[-1][0].id
 
 
-@main.command()
+@main.command(short_help="Counts, latency, cost and errors of a job (--watch).")
 @click.argument("job", type=int, required=False)
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object: job_id, total, counts, latency, queue wait, TTFT, tokens, cost, errors. "
@@ -385,7 +386,7 @@ def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str
       batchrun status 3 --json
       batchrun status 3 --watch --interval 5
     """
-    from batchrun.report import job_status, status_lines, watch_status
+    from batchrun.report import status_lines, watch_status
 
     with _open(db) as ledger:
         job_id = job if job is not None else _latest_job(ledger)
@@ -394,7 +395,7 @@ def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str
             try:
                 watch_status(ledger, job_id, interval=interval, out=sys.stdout, mode=mode)
             except KeyboardInterrupt:
-                sys.exit(130)
+                sys.exit(130)  # the shell's code for Ctrl-C; the job itself is untouched
             return
         data = job_status(ledger, job_id)
     if as_json:
@@ -403,7 +404,7 @@ def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str
     click.echo("\n".join(status_lines(data)))
 
 
-@main.command()
+@main.command(short_help="A job's full report (--html: a page with charts).")
 @click.argument("job", type=int)
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False), metavar="FILE",
               help="Also write one self-contained HTML page (no external assets) with charts.")
@@ -436,7 +437,7 @@ def report(job: int, html_path: str | None, force: bool, db: str | None) -> None
         click.echo(f"html: {written}")
 
 
-@main.command()
+@main.command(short_help="Two jobs side by side; how many outputs differ.")
 @click.argument("job_a", type=int)
 @click.argument("job_b", type=int)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: a, b and outputs (shared, differ, examples).")

@@ -542,3 +542,11 @@ def test_watch_on_a_terminal_draws_in_place(
     assert proc.returncode == 0, errors.read_text()
     assert "succeeded 4" in screen and "(done)" in screen
     assert "\x1b[" in screen  # drawn with terminal control codes, not as a plain line
+
+
+def test_help_shows_the_commands_and_their_examples() -> None:
+    top = cli("--help").stdout
+    assert "report" in top and "compare" in top and "status" in top
+    assert "--watch" in cli("status", "--help").stdout and "--interval" in cli("status", "--help").stdout
+    assert "batchrun report 3 --html report-3.html" in cli("report", "--help").stdout
+    assert "batchrun compare 1 2" in cli("compare", "--help").stdout
