@@ -373,41 +373,110 @@ def _latest_job(ledger: Ledger) -> int:
     return listed[-1][0].id
 
 
-@main.command()
+@main.command(short_help="Counts, latency, cost and errors of a job (--watch).")
 @click.argument("job", type=int, required=False)
-@click.option("--json", "as_json", is_flag=True, help="One JSON object: job_id, total, counts, latency, tokens, errors.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: job_id, total, counts, latency, queue wait, TTFT, tokens, cost, errors. "
+              "With --watch, one object a line.")
+@click.option("--watch", is_flag=True, help="Refresh until the job is done or Ctrl-C (the job itself carries on).")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True, metavar="S",
+              help="Seconds between refreshes with --watch.")
 @db_option
 @handle_errors
-def status(job: int | None, as_json: bool, db: str | None) -> None:
-    """Counts by state, latency percentiles, tokens and errors of JOB (default: the newest job).
+def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str | None) -> None:
+    """Counts by state, throughput, latency/queue wait/TTFT percentiles, tokens, cost and errors of JOB.
+
+    JOB defaults to the newest job. --watch redraws in place on a terminal and
+    prints one line per interval otherwise (cron, pipes); it ends when the job
+    is done (exit 0) or on Ctrl-C (exit 130).
 
     \b
-    Example:
+    Examples:
       batchrun status 3 --json
+      batchrun status 3 --watch --interval 5
     """
+    from batchrun.report import status_lines, watch_status
+
     with _open(db) as ledger:
         job_id = job if job is not None else _latest_job(ledger)
+        if watch:
+            mode = "json" if as_json else "live" if sys.stdout.isatty() else "line"
+            try:
+                watch_status(ledger, job_id, interval=interval, out=sys.stdout, mode=mode)
+            except KeyboardInterrupt:
+                sys.exit(130)  # the shell's code for Ctrl-C; the job itself is untouched
+            return
         data = job_status(ledger, job_id)
     if as_json:
         click.echo(orjson.dumps(data).decode())
         return
-    counts = data["counts"]
-    lat = data["latency_ms"]
-    click.echo(f"job {data['job_id']}{' (' + data['name'] + ')' if data['name'] else ''}: {data['input']}")
-    click.echo(f"  model     {data['model'] or '(as in each input line)'} at {data['base_url']}")
-    click.echo(f"  items     {data['total']} total, {data['finished']} finished" + (" (done)" if data["done"] else ""))
-    click.echo("  states    " + "  ".join(f"{k} {v}" for k, v in counts.items()))
-    click.echo(f"  requests  {data['requests']}")
-    click.echo(f"  tokens    {data['tokens']['input']} in, {data['tokens']['output']} out")
-    click.echo(f"  cost      ${data['cost_usd']:.4f}")
-    if lat["p50"] is not None:
-        click.echo(f"  latency   p50 {lat['p50']:.0f} ms  p90 {lat['p90']:.0f} ms  p99 {lat['p99']:.0f} ms")
-    if data["throughput_per_s"]:
-        click.echo(f"  rate      {data['throughput_per_s']:.1f} items/s")
-    if data["errors"]:
-        click.echo("  errors    " + "  ".join(f"{k} {v}" for k, v in data["errors"].items()))
-    if data["attempt_errors"]:
-        click.echo("  retried   " + "  ".join(f"{k} {v}" for k, v in data["attempt_errors"].items()))
+    click.echo("\n".join(status_lines(data)))
+
+
+@main.command(short_help="A job's full report (--html: a page with charts).")
+@click.argument("job", type=int)
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write one self-contained HTML page (no external assets) with charts.")
+@click.option("--force", is_flag=True, help="Replace an existing --html file that is not a batchrun report.")
+@db_option
+@handle_errors
+def report(job: int, html_path: str | None, force: bool, db: str | None) -> None:
+    """A full report of JOB: states, throughput, latency, queue wait and TTFT percentiles,
+    tokens, cost, errors by class and by HTTP status with an example message, and items
+    by number of requests.
+
+    With --html FILE, also one page that opens in any browser: a latency
+    histogram, throughput over time and the same tables.
+
+    \b
+    Examples:
+      batchrun report 3
+      batchrun report 3 --html report-3.html
+    """
+    from rich.console import Console
+
+    from batchrun.html_report import render_html
+    from batchrun.report import job_report, render_report, write_html_report
+
+    with _open(db) as ledger:
+        data = job_report(ledger, job)
+    written = write_html_report(html_path, render_html(data), force=force) if html_path else None
+    render_report(data, Console(highlight=False))
+    if written:
+        click.echo(f"html: {written}")
+
+
+@main.command(short_help="Two jobs side by side; how many outputs differ.")
+@click.argument("job_a", type=int)
+@click.argument("job_b", type=int)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: a, b and outputs (shared, differ, examples).")
+@click.option("--examples", type=click.IntRange(min=0), default=5, show_default=True,
+              help="How many differing custom_ids to show.")
+@db_option
+@handle_errors
+def compare(job_a: int, job_b: int, as_json: bool, examples: int, db: str | None) -> None:
+    """JOB_A and JOB_B side by side: latency and TTFT percentiles, error rate, tokens,
+    cost per 1,000 items; and, for the custom_ids both answered, how many outputs differ.
+
+    Outputs are compared as parsed JSON when both jobs have a schema (key order
+    and code fences do not count), else as text. Both jobs must be in one ledger.
+
+    \b
+    Example (a baseline before and after a model change):
+      batchrun submit job.toml --input sample.jsonl --model gpt-4o-mini          # job 1
+      batchrun submit job.toml --input sample.jsonl --model gpt-4.1-mini --new   # job 2
+      batchrun compare 1 2
+    """
+    from rich.console import Console
+
+    from batchrun.report import compare_jobs, render_compare
+
+    with _open(db) as ledger:
+        data = compare_jobs(ledger, job_a, job_b, examples=examples)
+    if as_json:
+        click.echo(orjson.dumps(data).decode())
+        return
+    render_compare(data, Console(highlight=False))
 
 
 @main.command(name="list")

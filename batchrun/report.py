@@ -1,36 +1,96 @@
-"""Summaries from the ledger: counts by state, throughput, latency percentiles, tokens, errors."""
+"""Summaries from the ledger: counts by state, throughput, latency percentiles, tokens, cost, errors.
+
+Every figure comes from an aggregate query (see the reports block of
+:class:`~batchrun.ledger.Ledger`): percentiles are nearest-rank, computed by
+the database, so a job of millions of items is never read into memory.
+
+- :func:`job_status` — the ``status --json`` object;
+- :func:`job_report` — that plus a latency histogram and throughput over time;
+- :func:`compare_jobs` — two jobs side by side, and how many shared outputs differ;
+- :func:`watch_status` — ``status --watch``;
+- ``render_*`` — the text forms, with rich.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
 
+import orjson
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from batchrun.errors import ExportError
 from batchrun.ledger import ItemState, Ledger
+from batchrun.ledger.store import AttemptTotals, Distribution, ErrorGroup
+
+PERCENTILES = (50, 90, 99)
+# Attempt measures: total latency and TTFT of clean answers, queue wait of every request.
+MEASURES = {"latency_ms": "latency", "queue_wait_ms": "queue wait", "ttft_ms": "TTFT"}
+NONE = "—"  # shown where there is no value (no streamed attempt, no answer yet)
+HTML_GENERATOR = "batchrun report"  # <meta name="generator">: marks a file we may replace
 
 
 def percentile(sorted_values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile of already sorted values."""
+    """Nearest-rank percentile of already sorted values (the definition the ledger's queries use)."""
     if not sorted_values:
         return None
     rank = max(1, math.ceil(p / 100.0 * len(sorted_values)))
     return float(sorted_values[rank - 1])
 
 
+def _distribution(d: Distribution) -> dict[str, Any]:
+    return {
+        **{f"p{p}": d.percentiles.get(p) for p in PERCENTILES},
+        "mean": d.mean,
+        "max": d.maximum,
+        "count": d.count,
+    }
+
+
+def _groups(groups: list[ErrorGroup]) -> dict[str, dict[str, Any]]:
+    return {
+        "none" if g.key is None else str(g.key): {"attempts": g.attempts, "items": g.items, "example": g.example}
+        for g in groups
+    }
+
+
+def _per_1k(value: float, items: int) -> float | None:
+    return round(value * 1000.0 / items, 6) if items else None
+
+
 def job_status(ledger: Ledger, job_id: int) -> dict[str, Any]:
-    """The ``status --json`` object of one job."""
+    """The ``status --json`` object of one job.
+
+    ``job_id``, ``total`` and ``counts`` (one key per state) are the contract
+    scripts read; everything else is added around them.
+    """
+    return _status(ledger, job_id)[0]
+
+
+def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Distribution], AttemptTotals]:
     job = ledger.get_job(job_id)
     counts = ledger.counts(job_id)
-    stats = ledger.item_stats(job_id)
-    lat = stats["latencies_ms"]
+    totals = ledger.attempt_totals(job_id)
+    by_class = ledger.errors_by_class(job_id)
+    per_item = ledger.requests_per_item(job_id)
     total = sum(counts.values())
     finished = sum(counts[s] for s in ItemState.FINAL)
-    first, last = stats["first_attempt_at"], stats["last_attempt_at"]
+    first, last = totals.first_started_at, totals.last_started_at
     elapsed = (last - first) if first and last and last > first else None
     throughput = counts[ItemState.SUCCEEDED] / elapsed if elapsed else None
     remaining = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
-    return {
+    worked = counts[ItemState.SUCCEEDED] + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
+    histogram = {"0": total - sum(per_item.values())} | {str(n): per_item[n] for n in sorted(per_item)}
+    dists = {m: ledger.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
+    data = {
         "job_id": job.id,
         "name": job.name,
         "input": job.input_path,
@@ -41,18 +101,407 @@ def job_status(ledger: Ledger, job_id: int) -> dict[str, Any]:
         "finished": finished,
         "done": remaining == 0 and job.ingest_done,
         "counts": counts,
-        "requests": stats["attempts"],
-        "tokens": {"input": stats["input_tokens"], "output": stats["output_tokens"], "cached": stats["cached_tokens"]},
-        "cost_usd": round(stats["cost_usd"], 6),
-        "latency_ms": {
-            "p50": percentile(lat, 50),
-            "p90": percentile(lat, 90),
-            "p99": percentile(lat, 99),
-            "mean": sum(lat) / len(lat) if lat else None,
-        },
+        "requests": totals.requests,
+        "failed_requests": totals.requests - totals.clean,
+        "tokens": {"input": totals.input_tokens, "output": totals.output_tokens, "cached": totals.cached_tokens},
+        "cost_usd": round(totals.cost_usd, 6),
+        "cost_per_1k_items": _per_1k(totals.cost_usd, worked),
+        "error_rate": (counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]) / worked if worked else None,
+        **{m: _distribution(d) for m, d in dists.items()},
+        "elapsed_s": elapsed,
         "throughput_per_s": throughput,
         "eta_s": remaining / throughput if throughput and remaining else None,
-        "errors": stats["errors"],
-        "attempt_errors": stats["attempt_errors"],
+        "errors": {str(g.key): g.items for g in by_class if g.items},
+        "attempt_errors": {str(g.key): g.attempts for g in by_class if g.attempts},
+        "errors_by_class": _groups(by_class),
+        "errors_by_status": _groups(ledger.errors_by_status(job_id)),
+        "attempts_histogram": histogram,
         "as_of": time.time(),
     }
+    return data, dists, totals
+
+
+def nice_step(raw: float) -> float:
+    """The smallest 1, 2 or 5 times a power of ten that is at least ``raw`` (> 0)."""
+    exponent = math.floor(math.log10(raw))
+    for mantissa in (1, 2, 5, 10):
+        step = mantissa * 10.0**exponent
+        if step >= raw * (1 - 1e-12):
+            return step
+    return 10.0 ** (exponent + 1)  # pragma: no cover - the loop always returns
+
+
+def latency_histogram(ledger: Ledger, job_id: int, dist: Distribution, bins: int = 30) -> dict[str, Any] | None:
+    """Answered requests per latency bucket, with a round bucket width.
+
+    A long tail (the slowest request over 1.5 x P99) goes into one overflow
+    bucket so that it does not squash the rest of the chart.
+    """
+    if not dist.count or dist.minimum is None or dist.maximum is None:
+        return None
+    p99 = dist.percentiles.get(99, dist.maximum)
+    high = p99 if dist.maximum > 1.5 * p99 else dist.maximum
+    width = nice_step(max((high - dist.minimum) / bins, 0.001))
+    low = math.floor(dist.minimum / width) * width
+    n = math.floor((high - low) / width) + 1
+    counts = [0] * n
+    overflow = 0
+    for bucket, count in ledger.attempt_histogram(job_id, "latency_ms", low, width).items():
+        if bucket < n:
+            counts[max(bucket, 0)] += count
+        else:
+            overflow += count
+    return {"low_ms": low, "width_ms": width, "counts": counts, "overflow": overflow, "overflow_from_ms": low + n * width}
+
+
+def throughput_timeline(ledger: Ledger, job_id: int, start: float | None, intervals: int = 40) -> dict[str, Any] | None:
+    """Items that succeeded per time interval, from the job's first request to its last success."""
+    n_ok, first, last = ledger.succeeded_span(job_id)
+    if not n_ok or first is None or last is None:
+        return None
+    start = min(start, first) if start is not None else first
+    width = nice_step(max((last - start) / intervals, 0.01))
+    n = math.floor((last - start) / width) + 1
+    counts = [0] * n
+    for bucket, count in ledger.succeeded_per_interval(job_id, start, width).items():
+        counts[min(max(bucket, 0), n - 1)] += count
+    return {"start": start, "width_s": width, "counts": counts}
+
+
+def job_report(ledger: Ledger, job_id: int) -> dict[str, Any]:
+    """:func:`job_status` plus the latency histogram and throughput over time of the report."""
+    data, dists, totals = _status(ledger, job_id)
+    data["latency_histogram"] = latency_histogram(ledger, job_id, dists["latency_ms"])
+    data["throughput_timeline"] = throughput_timeline(ledger, job_id, totals.first_started_at)
+    return data
+
+
+# -- compare -----------------------------------------------------------------
+
+COMPARED_KEYS = (
+    "job_id", "name", "model", "base_url", "total", "counts", "requests", "latency_ms", "ttft_ms",
+    "error_rate", "tokens", "cost_usd", "cost_per_1k_items", "throughput_per_s",
+)
+
+
+def same_json(x: Any, y: Any) -> bool:
+    """JSON equality: key order does not matter, but ``true`` is not ``1`` and ``1`` is ``1.0``."""
+    if isinstance(x, bool) or isinstance(y, bool):
+        return isinstance(x, bool) and isinstance(y, bool) and x == y
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(same_json(x[k], y[k]) for k in x)
+    if isinstance(x, list) and isinstance(y, list):
+        return len(x) == len(y) and all(same_json(a, b) for a, b in zip(x, y, strict=True))
+    if isinstance(x, int | float) and isinstance(y, int | float):
+        return x == y
+    return type(x) is type(y) and bool(x == y)
+
+
+def _parsed_differ(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return a is not b
+    try:
+        return not same_json(orjson.loads(a), orjson.loads(b))
+    except orjson.JSONDecodeError:
+        return a != b
+
+
+def compare_jobs(ledger: Ledger, job_a: int, job_b: int, *, examples: int = 5) -> dict[str, Any]:
+    """Jobs A and B side by side, and how many outputs differ among the custom_ids both answered.
+
+    Outputs are compared as parsed JSON when both jobs have a schema (so key
+    order and code fences do not count as a difference), else as text.
+    """
+    spec_a, spec_b = ledger.get_job(job_a).spec, ledger.get_job(job_b).spec
+    status_a, status_b = job_status(ledger, job_a), job_status(ledger, job_b)
+    column = "parsed" if spec_a.output.schema is not None and spec_b.output.schema is not None else "output"
+    shared = ledger.shared_outputs(job_a, job_b)
+    differ = 0
+    shown: list[str] = []
+    for custom_id, value_a, value_b in ledger.iter_output_differences(job_a, job_b, column):
+        if column == "parsed" and not _parsed_differ(value_a, value_b):
+            continue
+        differ += 1
+        if len(shown) < examples:
+            shown.append(custom_id)
+    return {
+        "a": {k: status_a[k] for k in COMPARED_KEYS},
+        "b": {k: status_b[k] for k in COMPARED_KEYS},
+        "outputs": {
+            "compared_on": column,
+            "shared": shared.shared,
+            "both_succeeded": shared.both_succeeded,
+            "differ": differ,
+            "same": shared.both_succeeded - differ,
+            "examples": shown,
+        },
+    }
+
+
+# -- text --------------------------------------------------------------------
+
+
+def fmt_ms(value: float | None) -> str:
+    return NONE if value is None else f"{value:,.0f} ms" if value >= 10 else f"{value:.1f} ms"
+
+
+def fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return NONE
+    if value < 120:
+        return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
+    if value < 7200:
+        return f"{value / 60:.0f} min"
+    return f"{value / 3600:.1f} h"
+
+
+def fmt_money(value: float | None) -> str:
+    return NONE if value is None else f"${value:,.4f}"
+
+
+def fmt_rate(value: float | None) -> str:
+    return NONE if value is None else f"{value:,.1f} items/s"
+
+
+def fmt_pct(value: float | None) -> str:
+    return NONE if value is None else f"{100 * value:.2f}%"
+
+
+def _percentiles(d: dict[str, Any]) -> str:
+    if not d["count"]:
+        return NONE
+    return "  ".join(f"p{p} {fmt_ms(d[f'p{p}'])}" for p in PERCENTILES) + f"  ({d['count']})"
+
+
+def status_lines(data: dict[str, Any]) -> list[str]:
+    """``batchrun status`` as text, one fact a line."""
+    counts = data["counts"]
+    tokens = data["tokens"]
+    lines = [
+        f"job {data['job_id']}{' (' + data['name'] + ')' if data['name'] else ''}: {data['input']}",
+        f"  model     {data['model'] or '(as in each input line)'} at {data['base_url']}",
+        f"  items     {data['total']} total, {data['finished']} finished" + (" (done)" if data["done"] else ""),
+        "  states    " + "  ".join(f"{k} {v}" for k, v in counts.items()),
+        f"  requests  {data['requests']} ({data['failed_requests']} failed)",
+        f"  tokens    {tokens['input']} in, {tokens['output']} out, {tokens['cached']} cached",
+        f"  cost      {fmt_money(data['cost_usd'])}" + (
+            f" ({fmt_money(data['cost_per_1k_items'])} per 1,000 items)" if data["cost_per_1k_items"] is not None else ""
+        ),
+        f"  latency   {_percentiles(data['latency_ms'])}",
+        f"  queue     {_percentiles(data['queue_wait_ms'])}",
+        f"  ttft      {_percentiles(data['ttft_ms'])}",
+        f"  rate      {fmt_rate(data['throughput_per_s'])}"
+        + (f", eta {fmt_seconds(data['eta_s'])}" if data["eta_s"] is not None else ""),
+    ]
+    if data["errors"]:
+        lines.append("  errors    " + "  ".join(f"{k} {v}" for k, v in data["errors"].items()))
+    if data["attempt_errors"]:
+        lines.append("  retried   " + "  ".join(f"{k} {v}" for k, v in data["attempt_errors"].items()))
+    if data["errors_by_status"]:
+        lines.append(
+            "  statuses  "
+            + "  ".join(
+                f"{'no-response' if k == 'none' else k} {v['attempts']}" for k, v in data["errors_by_status"].items()
+            )
+        )
+    lines.append("  attempts  " + "  ".join(f"{n}x {items}" for n, items in data["attempts_histogram"].items() if items))
+    return lines
+
+
+def status_line(data: dict[str, Any]) -> str:
+    """One line of ``status --watch`` when not on a terminal."""
+    c = data["counts"]
+    lat = data["latency_ms"]
+    errors = " ".join(f"{k}={v}" for k, v in data["attempt_errors"].items()) or "none"
+    return (
+        f"job {data['job_id']}: {data['finished']}/{data['total']} finished succeeded={c['succeeded']} "
+        f"failed={c['failed']} invalid={c['invalid_output']} rejected={c['rejected']} pending={c['pending']} "
+        f"running={c['running']} rate={fmt_rate(data['throughput_per_s'])} eta={fmt_seconds(data['eta_s'])} "
+        f"p50={fmt_ms(lat['p50'])} p99={fmt_ms(lat['p99'])} cost={fmt_money(data['cost_usd'])} errors: {errors}"
+        + (" (done)" if data["done"] else "")
+    )
+
+
+def watch_status(
+    ledger: Ledger,
+    job_id: int,
+    *,
+    interval: float,
+    out: IO[str],
+    mode: str,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Show the job's status every ``interval`` seconds until it is done; returns the last status.
+
+    ``mode``: ``live`` (a rich display that redraws in place), ``line`` (one
+    plain line each time) or ``json`` (one JSON object a line).
+    """
+    if mode == "live":
+        console = Console(file=out)
+        data = job_status(ledger, job_id)
+        with Live(_status_panel(data), console=console, auto_refresh=False) as live:
+            while not data["done"]:
+                sleep(interval)
+                data = job_status(ledger, job_id)
+                live.update(_status_panel(data), refresh=True)
+        return data
+    while True:
+        data = job_status(ledger, job_id)
+        out.write((orjson.dumps(data).decode() if mode == "json" else status_line(data)) + "\n")
+        out.flush()
+        if data["done"]:
+            return data
+        sleep(interval)
+
+
+def _status_panel(data: dict[str, Any]) -> RenderableType:
+    when = time.strftime("%H:%M:%S", time.localtime(data["as_of"]))
+    footer = "done" if data["done"] else "Ctrl-C to stop watching (the job carries on)"
+    return Group(Text("\n".join(status_lines(data))), Text(f"  as of {when}; {footer}", style="dim"))
+
+
+def _table(title: str, *columns: str, right: Sequence[int] = (), header: bool = True) -> Table:
+    table = Table(title=title, title_justify="left", title_style="bold", show_header=header)
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="right" if i in right else "left", overflow="fold")
+    return table
+
+
+def report_tables(data: dict[str, Any]) -> list[Table]:
+    """The tables of ``batchrun report`` (the HTML page shows the same)."""
+    counts = data["counts"]
+    tokens = data["tokens"]
+    overview = _table(f"Job {data['job_id']}" + (f" ({data['name']})" if data["name"] else ""), "", "", header=False)
+    for key, value in (
+        ("input", data["input"]),
+        ("model", f"{data['model'] or '(as in each input line)'} at {data['base_url']}"),
+        ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_at"]))),
+        ("items", f"{data['total']:,} total, {data['finished']:,} finished" + (" (done)" if data["done"] else "")),
+        ("states", "  ".join(f"{k} {v:,}" for k, v in counts.items() if v) or "no items"),
+        ("requests", f"{data['requests']:,} ({data['failed_requests']:,} failed)"),
+        ("error rate", fmt_pct(data["error_rate"]) + " of items sent (failed or invalid)"),
+        ("throughput", fmt_rate(data["throughput_per_s"]) + f" over {fmt_seconds(data['elapsed_s'])}"),
+        ("eta", fmt_seconds(data["eta_s"])),
+        ("tokens", f"{tokens['input']:,} in, {tokens['output']:,} out, {tokens['cached']:,} cached"),
+        ("cost", f"{fmt_money(data['cost_usd'])} ({fmt_money(data['cost_per_1k_items'])} per 1,000 items)"),
+    ):
+        overview.add_row(key, value)
+
+    timing = _table("Timing", "", "count", *(f"p{p}" for p in PERCENTILES), "mean", "max", right=range(1, 7))
+    for measure, label in MEASURES.items():
+        d = data[measure]
+        timing.add_row(label, f"{d['count']:,}", *(fmt_ms(d[f"p{p}"]) for p in PERCENTILES), fmt_ms(d["mean"]), fmt_ms(d["max"]))
+
+    tables = [overview, timing]
+    for title, key, groups in (
+        ("Errors by class", "class", data["errors_by_class"]),
+        ("Errors by HTTP status", "status", data["errors_by_status"]),
+    ):
+        table = _table(title, key, "failed attempts", "items", "example message", right=(1, 2))
+        for name, g in groups.items():
+            label = "no response" if name == "none" else name
+            table.add_row(label, f"{g['attempts']:,}", f"{g['items']:,}", g["example"] or NONE)
+        if not groups:
+            table.add_row("none", "0", "0", NONE)
+        elif any(g["example"] is None for g in groups.values()):
+            table.caption = f"{NONE}: no item still holds this error (an item that later succeeded keeps no message)"
+            table.caption_justify = "left"
+        tables.append(table)
+
+    attempts = _table("Requests per item", "requests", "items", right=(0, 1))
+    for n, items in data["attempts_histogram"].items():
+        if items:
+            attempts.add_row(n, f"{items:,}")
+    tables.append(attempts)
+    return tables
+
+
+def render_report(data: dict[str, Any], console: Console) -> None:
+    for table in report_tables(data):
+        console.print(table)
+        console.print()
+
+
+def _change(a: Any, b: Any) -> str:
+    if not isinstance(a, int | float) or not isinstance(b, int | float) or isinstance(a, bool):
+        return ""
+    if a == 0:
+        return "" if b == 0 else "new"
+    return f"{100 * (b - a) / a:+.1f}%"
+
+
+def compare_table(data: dict[str, Any]) -> Table:
+    """``batchrun compare`` as one table: A, B and B's change from A."""
+    a, b = data["a"], data["b"]
+    table = _table(f"Job {a['job_id']} (A) vs job {b['job_id']} (B)", "", "A", "B", "B vs A", right=(1, 2, 3))
+    rows: list[tuple[str, Any, Any, Callable[[Any], str]]] = [
+        ("model", a["model"], b["model"], str),
+        ("items", a["total"], b["total"], lambda v: f"{v:,}"),
+        ("succeeded", a["counts"]["succeeded"], b["counts"]["succeeded"], lambda v: f"{v:,}"),
+        ("error rate", a["error_rate"], b["error_rate"], fmt_pct),
+        ("requests", a["requests"], b["requests"], lambda v: f"{v:,}"),
+    ]
+    for p in PERCENTILES:
+        rows.append((f"latency p{p}", a["latency_ms"][f"p{p}"], b["latency_ms"][f"p{p}"], fmt_ms))
+    for p in PERCENTILES:
+        rows.append((f"TTFT p{p}", a["ttft_ms"][f"p{p}"], b["ttft_ms"][f"p{p}"], fmt_ms))
+    rows += [
+        ("tokens in", a["tokens"]["input"], b["tokens"]["input"], lambda v: f"{v:,}"),
+        ("tokens out", a["tokens"]["output"], b["tokens"]["output"], lambda v: f"{v:,}"),
+        ("cost", a["cost_usd"], b["cost_usd"], fmt_money),
+        ("cost per 1,000 items", a["cost_per_1k_items"], b["cost_per_1k_items"], fmt_money),
+        ("throughput", a["throughput_per_s"], b["throughput_per_s"], fmt_rate),
+    ]
+    for label, va, vb, fmt in rows:
+        table.add_row(label, NONE if va is None else fmt(va), NONE if vb is None else fmt(vb), _change(va, vb))
+    return table
+
+
+def render_compare(data: dict[str, Any], console: Console) -> None:
+    console.print(compare_table(data))
+    o = data["outputs"]
+    what = "parsed JSON" if o["compared_on"] == "parsed" else "output text"
+    console.print(
+        f"\nShared custom_ids: {o['shared']:,}; both succeeded: {o['both_succeeded']:,}; "
+        f"{what} differs for {o['differ']:,}"
+        + (f", e.g. {', '.join(o['examples'])}" if o["examples"] else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+# -- files -------------------------------------------------------------------
+
+
+def write_html_report(path: str | os.PathLike[str], page: str, *, force: bool = False) -> Path:
+    """Write the page atomically; replace an existing file only if it is a batchrun report (or ``force``)."""
+    target = Path(path).absolute()
+    if target.is_dir():
+        raise ExportError(f"{target} is a folder; give a file name for the report, e.g. report.html")
+    if not target.parent.is_dir():
+        raise ExportError(f"{target.parent}: no such folder for the report")
+    if target.exists() and not force:
+        try:
+            head = target.read_bytes()[:2048].decode("utf-8", "replace")
+        except OSError as exc:
+            raise ExportError(f"{target}: cannot read the existing file: {exc.strerror}") from exc
+        if f'<meta name="generator" content="{HTML_GENERATOR}">' not in head:
+            raise ExportError(f"{target} exists and is not a batchrun report; choose another name or pass --force")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        # mkstemp makes 0600; give the page the mode a plain create would (or the one it replaces).
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, target.stat().st_mode & 0o777 if target.exists() else 0o666 & ~mask)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(page)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise ExportError(f"{target}: cannot write the report: {exc.strerror}") from exc
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

@@ -15,6 +15,8 @@ from typing import Any, cast
 import orjson
 from sqlalchemy import Connection, Engine, Table, bindparam, func, insert, select, update
 from sqlalchemy.dialects import postgresql
+from sqlalchemy import ColumnElement, Integer, and_, case, literal_column
+from sqlalchemy import cast as sql_cast
 
 from batchrun.errors import JobLockedError, JobNotFoundError
 from batchrun.ledger.engine import WRITE_OPTION, open_engine
@@ -129,6 +131,49 @@ class ItemRow:
     validation_errors: str | None = None
     item_id: int = 0
     cost_usd: float | None = None
+
+
+@dataclass(frozen=True)
+class AttemptTotals:
+    """What a job's attempts add up to (every HTTP request, clean or not)."""
+
+    requests: int
+    clean: int  # answered without a transport or HTTP error
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    cost_usd: float
+    first_started_at: float | None
+    last_started_at: float | None
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Count, mean, extremes and nearest-rank percentiles of one attempt measure, in ms."""
+
+    count: int
+    mean: float | None
+    minimum: float | None
+    maximum: float | None
+    percentiles: dict[int, float]  # {50: ..., 90: ..., 99: ...}; empty when count is 0
+
+
+@dataclass(frozen=True)
+class ErrorGroup:
+    """Errors sharing a class or an HTTP status: failed attempts, items that ended on it, one message."""
+
+    key: str | int | None
+    attempts: int
+    items: int
+    example: str | None
+
+
+@dataclass(frozen=True)
+class SharedOutputs:
+    """The custom_ids two jobs share, and how many of them both answered."""
+
+    shared: int
+    both_succeeded: int
 
 
 _ITEM_INSERT_COLUMNS = (
@@ -649,6 +694,255 @@ class Ledger:
             "last_attempt_at": attempt_stats[2],
             "attempt_errors": {str(k): v for k, v in attempt_errors.items()},
         }
+
+    # -- reports (read-only) --------------------------------------------------
+    # Aggregates and streams only: a job can have millions of items, so no
+    # method here brings a whole column into Python.
+
+    def _measure(self, job_id: int, measure: str) -> tuple[Any, list[ColumnElement[bool]]]:
+        """An attempt measure and the attempts it covers: clean answers for latency and TTFT, all for queue wait."""
+        columns = {"latency_ms": attempts_t.c.latency_ms, "queue_wait_ms": attempts_t.c.queue_wait_ms,
+                   "ttft_ms": attempts_t.c.ttft_ms}
+        if measure not in columns:
+            raise ValueError(f"unknown attempt measure {measure!r}")
+        column = columns[measure]
+        conds: list[ColumnElement[bool]] = [attempts_t.c.job_id == job_id, column.is_not(None)]
+        if measure != "queue_wait_ms":
+            conds.append(attempts_t.c.error_class.is_(None))
+        return column, conds
+
+    def _floor_int(self, expr: Any) -> Any:
+        """``floor(expr)`` as an integer (SQLite's CAST truncates, which is floor for the non-negative values used here)."""
+        return sql_cast(expr, Integer) if self.is_sqlite else sql_cast(func.floor(expr), Integer)
+
+    def attempt_totals(self, job_id: int) -> AttemptTotals:
+        """Requests sent, tokens and cost over all of the job's attempts."""
+        a = attempts_t.c
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(
+                    func.count(),
+                    func.coalesce(func.sum(case((a.error_class.is_(None), 1), else_=0)), 0),
+                    func.coalesce(func.sum(a.input_tokens), 0),
+                    func.coalesce(func.sum(a.output_tokens), 0),
+                    func.coalesce(func.sum(a.cached_tokens), 0),
+                    func.coalesce(func.sum(a.cost_usd), 0.0),
+                    func.min(a.started_at),
+                    func.max(a.started_at),
+                ).where(a.job_id == job_id)
+            ).one()
+        return AttemptTotals(
+            requests=int(row[0]), clean=int(row[1]), input_tokens=int(row[2]), output_tokens=int(row[3]),
+            cached_tokens=int(row[4]), cost_usd=float(row[5]), first_started_at=row[6], last_started_at=row[7],
+        )
+
+    def attempt_distribution(self, job_id: int, measure: str, percentiles: Sequence[int] = (50, 90, 99)) -> Distribution:
+        """Nearest-rank percentiles of ``latency_ms``, ``queue_wait_ms`` or ``ttft_ms`` over the job's attempts.
+
+        Computed in the database: one aggregate for the count, then one
+        ``row_number() OVER (ORDER BY value)`` query that returns only the rows
+        at the wanted ranks (one sort, done by the database, spilling to disk
+        if it must; three rows come back).
+        """
+        column, conds = self._measure(job_id, measure)
+        with self.engine.connect() as conn:
+            n, mean, low, high = conn.execute(
+                select(func.count(), func.avg(column), func.min(column), func.max(column)).where(*conds)
+            ).one()
+            if not n:
+                return Distribution(0, None, None, None, {})
+            ranks = {p: max(1, -(-p * int(n) // 100)) for p in percentiles}
+            ranked = (
+                select(column.label("value"), func.row_number().over(order_by=column).label("rank"))
+                .where(*conds)
+                .subquery()
+            )
+            at_rank = dict(
+                conn.execute(
+                    select(ranked.c.rank, ranked.c.value).where(ranked.c.rank.in_(sorted(set(ranks.values()))))
+                ).all()
+            )
+        return Distribution(
+            count=int(n), mean=float(mean), minimum=float(low), maximum=float(high),
+            percentiles={p: float(at_rank[r]) for p, r in ranks.items()},
+        )
+
+    def attempt_histogram(self, job_id: int, measure: str, low: float, width: float) -> dict[int, int]:
+        """Attempts per bucket ``floor((value - low) / width)`` of a measure (values at least ``low``)."""
+        column, conds = self._measure(job_id, measure)
+        bucket = self._floor_int((column - float(low)) / float(width)).label("bucket")
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(bucket, func.count()).where(*conds, column >= float(low)).group_by(bucket)
+            ).all()
+        return {int(b): int(n) for b, n in rows}
+
+    def succeeded_span(self, job_id: int) -> tuple[int, float | None, float | None]:
+        """How many items succeeded, and when the first and the last of them finished."""
+        with self.engine.connect() as conn:
+            n, first, last = conn.execute(
+                select(func.count(), func.min(items_t.c.finished_at), func.max(items_t.c.finished_at)).where(
+                    items_t.c.job_id == job_id,
+                    items_t.c.state == ItemState.SUCCEEDED,
+                    items_t.c.finished_at.is_not(None),
+                )
+            ).one()
+        return int(n), first, last
+
+    def succeeded_per_interval(self, job_id: int, start: float, width_s: float) -> dict[int, int]:
+        """Items that succeeded per time bucket ``floor((finished_at - start) / width_s)`` (from ``start`` on)."""
+        bucket = self._floor_int((items_t.c.finished_at - float(start)) / float(width_s)).label("bucket")
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(bucket, func.count())
+                .where(
+                    items_t.c.job_id == job_id,
+                    items_t.c.state == ItemState.SUCCEEDED,
+                    items_t.c.finished_at >= float(start),
+                )
+                .group_by(bucket)
+            ).all()
+        return {int(b): int(n) for b, n in rows}
+
+    def errors_by_class(self, job_id: int) -> list[ErrorGroup]:
+        """Per error class: failed attempts, items that ended on it (failed, invalid or rejected), one message.
+
+        The example is an item's kept message; an item that later succeeded keeps
+        none, so a class seen only on retried attempts may have no example.
+        """
+        i, a = items_t.c, attempts_t.c
+        with self.engine.connect() as conn:
+            by_attempt: dict[Any, int] = dict(
+                conn.execute(
+                    select(a.error_class, func.count())
+                    .where(a.job_id == job_id, a.error_class.is_not(None))
+                    .group_by(a.error_class)
+                ).all()
+            )
+            by_item: dict[Any, int] = dict(
+                conn.execute(
+                    select(i.error_class, func.count())
+                    .where(
+                        i.job_id == job_id,
+                        i.state.in_([ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED]),
+                        i.error_class.is_not(None),
+                    )
+                    .group_by(i.error_class)
+                ).all()
+            )
+            examples: dict[Any, str] = dict(
+                conn.execute(
+                    select(i.error_class, func.max(i.error_message))
+                    .where(i.job_id == job_id, i.error_class.is_not(None), i.error_message.is_not(None))
+                    .group_by(i.error_class)
+                ).all()
+            )
+        return sorted(
+            (
+                ErrorGroup(str(key), int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key))
+                for key in set(by_attempt) | set(by_item)
+            ),
+            key=lambda g: (-(g.attempts + g.items), str(g.key)),
+        )
+
+    def errors_by_status(self, job_id: int) -> list[ErrorGroup]:
+        """Per HTTP status (None: no response, e.g. a timeout or reset): failed attempts, failed items, one message."""
+        i, a = items_t.c, attempts_t.c
+        with self.engine.connect() as conn:
+            by_attempt: dict[Any, int] = dict(
+                conn.execute(
+                    select(a.status_code, func.count())
+                    .where(a.job_id == job_id, a.error_class.is_not(None))
+                    .group_by(a.status_code)
+                ).all()
+            )
+            by_item: dict[Any, int] = dict(
+                conn.execute(
+                    select(i.status_code, func.count())
+                    .where(i.job_id == job_id, i.state == ItemState.FAILED)
+                    .group_by(i.status_code)
+                ).all()
+            )
+            examples: dict[Any, str] = dict(
+                conn.execute(
+                    select(i.status_code, func.max(i.error_message))
+                    .where(
+                        i.job_id == job_id,
+                        i.state.in_([ItemState.PENDING, ItemState.RUNNING, ItemState.FAILED, ItemState.CANCELLED]),
+                        i.error_class.is_not(None),
+                        i.error_message.is_not(None),
+                    )
+                    .group_by(i.status_code)
+                ).all()
+            )
+        return sorted(
+            (
+                ErrorGroup(key, int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key))
+                for key in set(by_attempt) | set(by_item)
+            ),
+            key=lambda g: (-(g.attempts + g.items), g.key if isinstance(g.key, int) else 0),
+        )
+
+    def requests_per_item(self, job_id: int) -> dict[int, int]:
+        """How many items had n requests sent (n >= 1; an attempt row is a request, 429s included)."""
+        per_item = (
+            select(attempts_t.c.item_id, func.count().label("n"))
+            .where(attempts_t.c.job_id == job_id)
+            .group_by(attempts_t.c.item_id)
+            .subquery()
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(per_item.c.n, func.count()).group_by(per_item.c.n)).all()
+        return {int(n): int(items) for n, items in rows}
+
+    @staticmethod
+    def _shared_items(job_a: int, job_b: int) -> tuple[Any, Any, Any, list[ColumnElement[bool]]]:
+        """A's and B's items joined on custom_id (rejected lines left out): (a, b, join, where)."""
+        a, b = items_t.alias("a"), items_t.alias("b")
+        # Written out, not bound, so SQLite matches the partial unique index on (job_id, custom_id).
+        rejected: ColumnElement[str] = literal_column("'rejected'")
+        on = and_(b.c.job_id == job_b, b.c.custom_id == a.c.custom_id, b.c.state != rejected)
+        return a, b, a.join(b, on), [a.c.job_id == job_a, a.c.state != rejected]
+
+    def shared_outputs(self, job_a: int, job_b: int) -> SharedOutputs:
+        """How many custom_ids jobs A and B share, and for how many both succeeded."""
+        a, b, joined, conds = self._shared_items(job_a, job_b)
+        both = case((and_(a.c.state == ItemState.SUCCEEDED, b.c.state == ItemState.SUCCEEDED), 1), else_=0)
+        with self.engine.connect() as conn:
+            n, ok = conn.execute(select(func.count(), func.coalesce(func.sum(both), 0)).select_from(joined).where(*conds)).one()
+        return SharedOutputs(shared=int(n), both_succeeded=int(ok))
+
+    def iter_output_differences(
+        self, job_a: int, job_b: int, column: str, *, chunk: int = 2000
+    ) -> Iterator[tuple[str, str | None, str | None]]:
+        """(custom_id, A's value, B's value) where both succeeded and ``column`` (output or parsed) differs as text.
+
+        In A's input order, read in bounded chunks (keyset pagination on A's line).
+        """
+        if column not in ("output", "parsed"):
+            raise ValueError(f"cannot compare items on {column!r}")
+        a, b, joined, conds = self._shared_items(job_a, job_b)
+        conds = [
+            *conds,
+            a.c.state == ItemState.SUCCEEDED,
+            b.c.state == ItemState.SUCCEEDED,
+            a.c[column].is_distinct_from(b.c[column]),
+        ]
+        last = -1
+        while True:
+            with self.engine.connect() as conn:
+                rows = conn.execute(
+                    select(a.c.line, a.c.custom_id, a.c[column], b.c[column])
+                    .select_from(joined)
+                    .where(*conds, a.c.line > last)
+                    .order_by(a.c.line)
+                    .limit(chunk)
+                ).all()
+            if not rows:
+                return
+            for _, custom_id, value_a, value_b in rows:
+                yield custom_id, value_a, value_b
+            last = rows[-1][0]
 
     def shadowed_rejections(self, job_id: int) -> set[int]:
         """Lines of rejected items whose custom_id another line already uses.
