@@ -38,14 +38,6 @@ NONE = "—"  # shown where there is no value (no streamed attempt, no answer ye
 HTML_GENERATOR = "batchrun report"  # <meta name="generator">: marks a file we may replace
 
 
-def percentile(sorted_values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile of already sorted values (the definition the ledger's queries use)."""
-    if not sorted_values:
-        return None
-    rank = max(1, math.ceil(p / 100.0 * len(sorted_values)))
-    return float(sorted_values[rank - 1])
-
-
 def _distribution(d: Distribution) -> dict[str, Any]:
     return {
         **{f"p{p}": d.percentiles.get(p) for p in PERCENTILES},

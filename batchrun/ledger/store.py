@@ -640,65 +640,6 @@ class Ledger:
                 counts[state] = n
         return counts
 
-    def item_stats(self, job_id: int) -> dict[str, Any]:
-        """Token totals, latencies of succeeded items, and errors by class."""
-        with self.engine.connect() as conn:
-            tokens = conn.execute(
-                select(
-                    func.coalesce(func.sum(attempts_t.c.input_tokens), 0),
-                    func.coalesce(func.sum(attempts_t.c.output_tokens), 0),
-                    func.coalesce(func.sum(attempts_t.c.cost_usd), 0.0),
-                    func.coalesce(func.sum(attempts_t.c.cached_tokens), 0),
-                ).where(attempts_t.c.job_id == job_id)
-            ).one()
-            latencies = sorted(
-                conn.execute(
-                    select(items_t.c.latency_ms).where(
-                        items_t.c.job_id == job_id,
-                        items_t.c.state == ItemState.SUCCEEDED,
-                        items_t.c.latency_ms.is_not(None),
-                    )
-                ).scalars()
-            )
-            errors: dict[Any, int] = dict(
-                conn.execute(
-                    select(items_t.c.error_class, func.count())
-                    .where(
-                        items_t.c.job_id == job_id,
-                        items_t.c.state.in_([ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED]),
-                    )
-                    .group_by(items_t.c.error_class)
-                ).all()
-            )
-            attempt_stats = conn.execute(
-                select(func.count(), func.min(attempts_t.c.started_at), func.max(attempts_t.c.started_at)).where(
-                    attempts_t.c.job_id == job_id
-                )
-            ).one()
-            attempt_errors: dict[Any, int] = dict(
-                conn.execute(
-                    select(attempts_t.c.error_class, func.count())
-                    .where(attempts_t.c.job_id == job_id, attempts_t.c.error_class.is_not(None))
-                    .group_by(attempts_t.c.error_class)
-                ).all()
-            )
-        return {
-            "input_tokens": int(tokens[0]),
-            "output_tokens": int(tokens[1]),
-            "cost_usd": float(tokens[2]),
-            "cached_tokens": int(tokens[3]),
-            "latencies_ms": latencies,
-            "errors": {str(k): v for k, v in errors.items()},
-            "attempts": int(attempt_stats[0]),
-            "first_attempt_at": attempt_stats[1],
-            "last_attempt_at": attempt_stats[2],
-            "attempt_errors": {str(k): v for k, v in attempt_errors.items()},
-        }
-
-    # -- reports (read-only) --------------------------------------------------
-    # Aggregates and streams only: a job can have millions of items, so no
-    # method here brings a whole column into Python.
-
     def _measure(self, job_id: int, measure: str) -> tuple[Any, list[ColumnElement[bool]]]:
         """An attempt measure and the attempts it covers: clean answers for latency and TTFT, all for queue wait."""
         columns = {"latency_ms": attempts_t.c.latency_ms, "queue_wait_ms": attempts_t.c.queue_wait_ms,

@@ -74,7 +74,7 @@ input_per_million = 1.0
 output_per_million = 2.0
 [run]
 """
-        + "".join(f"{k} = {v!r}\n" for k, v in settings.items())
+        + "".join(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}\n" for k, v in settings.items())
     )
     return load_spec(path)
 
@@ -550,3 +550,22 @@ def test_help_shows_the_commands_and_their_examples() -> None:
     assert "--watch" in cli("status", "--help").stdout and "--interval" in cli("status", "--help").stdout
     assert "batchrun report 3 --html report-3.html" in cli("report", "--help").stdout
     assert "batchrun compare 1 2" in cli("compare", "--help").stdout
+
+
+def test_status_reports_time_to_first_token_of_a_streamed_job(
+    tmp_path: Path, db_url: str, ledger: Ledger, write_jsonl: Callable[..., Path]
+) -> None:
+    """TTFT percentiles come from streamed answers: at least the server's latency, below the total."""
+    faults = Faults(seed=5, latency_s=0.03, stream_chunk_delay_s=0.004)
+    with FakeOpenAIServer(faults) as streaming:
+        spec = make_spec(tmp_path, streaming, stream=True)
+        job_id = submit(ledger, spec, write_jsonl(records(40)))
+        assert run(ledger, job_id).exit_code == EXIT_OK
+        log = streaming.log
+    assert all(r.stream for r in log) and len(log) == 40
+    status = status_json(db_url, job_id)
+    ttft, total = status["ttft_ms"], status["latency_ms"]
+    assert ttft["count"] == 40
+    assert 30 - CLOCK_SLACK_MS <= ttft["p50"] <= ttft["p99"] <= 30 + LATENCY_SLACK_MS
+    # the rest of the answer came in chunks after the first token
+    assert total["p50"] > ttft["p50"] + 4
