@@ -198,7 +198,10 @@ class AnthropicProvider:
         finish_reason = _STOP_REASONS.get(str(stop_reason), stop_reason if isinstance(stop_reason, str) else None)
         refusal = None
         if stop_reason == "refusal":
-            refusal, finish_reason = "".join(texts) or "the model declined to answer (stop_reason = refusal)", "stop"
+            details = data.get("stop_details")
+            explanation = details.get("explanation") if isinstance(details, dict) else None
+            refusal = explanation or "".join(texts) or "the model declined to answer (stop_reason = refusal)"
+            finish_reason = "stop"
         usage_value = data.get("usage")
         usage: dict[str, Any] = usage_value if isinstance(usage_value, dict) else {}
         fresh = int_or_none(usage.get("input_tokens"))

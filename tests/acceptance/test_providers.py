@@ -184,3 +184,34 @@ def test_check_reports_a_streamed_structured_answer(tmp_path: Path) -> None:
     assert (result["input_tokens"], result["output_tokens"]) == (seen.prompt_tokens, seen.completion_tokens)
     assert seen.api == "messages" and seen.stream
     no_key_in(texts=(stdout, stderr))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("kind", ["openai", "openai-responses", "anthropic"])
+def test_structured_output_is_validated_and_re_asked_on_every_api(tmp_path: Path, kind: str, stream: bool) -> None:
+    """Each API's structured-output request (response_format, text.format, a forced tool) feeds
+    the same validation: spoiled answers are re-asked and end valid; refusals end invalid_output."""
+    faults = Faults(seed=4, p_schema_violation=0.15, p_fenced=0.1, p_refusal=0.05, output_faults_on_reask=False)
+    n = 80
+    with FakeOpenAIServer(faults, api_key=KEY) as server:
+        (tmp_path / "schema.json").write_bytes(orjson.dumps(SCHEMA))
+        spec = tmp_path / "job.toml"
+        spec.write_text(SPEC.format(kind=kind, base_url=server.base_url, stream=str(stream).lower())
+                        + '[output]\nschema = "schema.json"\nvalidation_retries = 2\n')
+        out = tmp_path / "out.jsonl"
+        code, _, stderr = run(tmp_path, "submit", str(spec), "--input", str(records(tmp_path, n)),
+                              "--db", str(tmp_path / "l.db"), "--output", str(out), "--quiet")
+        log = server.log
+    lines = {x["custom_id"]: x for x in map(orjson.loads, out.read_bytes().splitlines())}
+    faulted = collections.Counter(r.output_fault for r in log if r.outcome == "ok")
+    refused = {r.key for r in log if r.output_fault == "refusal"}
+    assert faulted["schema_violation"] > 0 and faulted["refusal"] > 0
+    assert code == 1, stderr[-2000:]  # the refusals
+    for custom_id, line in lines.items():
+        if f"Say hello {custom_id[1:]}" in refused:
+            assert line["status"] == "invalid_output" and line["error"]["class"] == "refusal"
+        else:
+            assert line["status"] == "succeeded", line
+            assert set(line["output"]) == {"label", "score"}
+    # every schema violation cost exactly one re-ask (re-asks are answered well here)
+    assert len(log) == n + faulted["schema_violation"]  # fenced answers are read as they are, refusals end
