@@ -12,12 +12,14 @@ from typing import Any
 import httpx
 import orjson
 
+from batchrun.budget import budget_price, split_estimate, unbounded_answers
 from batchrun.errors import (
     EXIT_AUTH,
     EXIT_BUDGET,
     EXIT_OK,
     EXIT_SOME_FAILED,
     EXIT_TEMPFAIL,
+    BudgetExceededError,
     InputError,
     OutputInvalidError,
     SpecError,
@@ -25,6 +27,7 @@ from batchrun.errors import (
 )
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
 from batchrun.ledger import ItemState, JobRecord, Ledger
+from batchrun.pricing import Price
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
 from batchrun.spec import JobSpec, Overrides
@@ -65,8 +68,7 @@ def prepare_job(
     An interrupted ingest is carried on from its last stored line. With
     ``strict``, a bad line refuses the whole file before any job is created.
     """
-    if spec.has_template and not spec.provider.model:
-        raise SpecError(f"{spec.path or 'spec'}: [provider] model is required for a template job (or pass --model)")
+    _check_submittable(spec)
     path = Path(input_path)
     input_hash = hash_input(path)
     existing = None if new else ledger.find_job(spec.identity_hash(), input_hash)
@@ -76,13 +78,116 @@ def prepare_job(
     if strict and existing is None:
         checked = check_input(path, builder)
         if checked.rejected:
-            shown = "\n".join(f"  {path}:{line}: {reason}" for line, reason in checked.rejections)
-            raise InputError(
-                f"{path}: {checked.rejected} of {checked.lines} lines are bad (--strict), nothing was submitted:\n{shown}"
-            )
+            raise _bad_lines(path, checked)
     job_id, created = ledger.find_or_create_job(spec, input_path=str(path.absolute()), input_hash=input_hash, new=new)
     stats = _ingest_locked(ledger, job_id, path, builder, on_batch, should_stop)
     return PreparedJob(job_id, created, stats)
+
+
+def _check_submittable(spec: JobSpec) -> None:
+    """What a spec needs before its input is read: SpecError (exit 2) with nothing sent or created."""
+    if spec.has_template and not spec.provider.model:
+        raise SpecError(f"{spec.path or 'spec'}: [provider] model is required for a template job (or pass --model)")
+    budget_price(spec)  # a budget needs a known price
+
+
+def _bad_lines(path: Path, checked: IngestStats) -> InputError:
+    shown = "\n".join(f"  {path}:{line}: {reason}" for line, reason in checked.rejections)
+    return InputError(
+        f"{path}: {checked.rejected} of {checked.lines} lines are bad (--strict), nothing was submitted:\n{shown}"
+    )
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What submitting an input would send: counts, a token estimate and a cost range. Nothing is sent."""
+
+    input_path: str
+    model: str | None
+    lines: int
+    to_send: int
+    rejected: int
+    rejections: list[tuple[int, str]]  # the first few (line, reason)
+    prompt_tokens: int  # estimated: ~4 bytes of request JSON per token
+    max_output_tokens: int  # the requests' answer limits (max_tokens)
+    price: Price | None
+    budget_usd: float  # 0: no budget
+    unbounded_answers: bool  # requests set no max_tokens: the maximum is a guess, not a bound
+
+    @property
+    def cost_min(self) -> float | None:
+        """Every prompt, no answer: the least these requests can cost."""
+        return self.price.cost(self.prompt_tokens, 0) if self.price else None
+
+    @property
+    def cost_max(self) -> float | None:
+        """Every prompt, every answer at its max_tokens."""
+        return self.price.cost(self.prompt_tokens, self.max_output_tokens) if self.price else None
+
+    def to_json(self) -> dict[str, Any]:
+        counts = dict.fromkeys(ItemState.ALL, 0)
+        counts[ItemState.PENDING] = self.to_send
+        counts[ItemState.REJECTED] = self.rejected
+        price = self.price
+        return {
+            "dry_run": True,
+            "job_id": None,
+            "input": self.input_path,
+            "model": self.model,
+            "total": self.lines,
+            "counts": counts,
+            "to_send": self.to_send,
+            "rejected": self.rejected,
+            "rejections": [{"line": line, "reason": reason} for line, reason in self.rejections],
+            "tokens": {"prompt": self.prompt_tokens, "max_output": self.max_output_tokens},
+            "price": None
+            if price is None
+            else {
+                "input_per_million": price.input,
+                "output_per_million": price.output,
+                "cached_input_per_million": price.cached_input,
+            },
+            "cost_usd": None if price is None else {"min": self.cost_min, "max": self.cost_max},
+            "budget_usd": self.budget_usd or None,
+            "unbounded_answers": self.unbounded_answers,
+        }
+
+
+def dry_run(spec: JobSpec, input_path: str | os.PathLike[str], *, strict: bool = False) -> DryRun:
+    """Read and render the whole input as ``submit`` would, and estimate what it would cost.
+
+    Same checks, same rejections, the same request the first attempt of each
+    item would send (structured-output request included); no ledger is opened
+    and nothing is sent. With ``strict``, a bad line raises InputError as submit does.
+    """
+    _check_submittable(spec)
+    path = Path(input_path)
+    builder = _builder(spec)
+    provider = builder.provider
+    tokens = [0, 0]
+
+    def estimate(url: str | None, body: str) -> None:
+        request = provider.prepare(url, body)
+        prompt, answer = split_estimate(provider.estimate_tokens(request), len(request.content))
+        tokens[0] += prompt
+        tokens[1] += answer
+
+    checked = check_input(path, builder, on_item=estimate)
+    if strict and checked.rejected:
+        raise _bad_lines(path, checked)
+    return DryRun(
+        input_path=str(path),
+        model=spec.provider.model,
+        lines=checked.lines,
+        to_send=checked.accepted,
+        rejected=checked.rejected,
+        rejections=checked.rejections,
+        prompt_tokens=tokens[0],
+        max_output_tokens=tokens[1],
+        price=spec.price(),
+        budget_usd=spec.run.budget_usd,
+        unbounded_answers=unbounded_answers(spec),
+    )
 
 
 def _builder(spec: JobSpec) -> RequestBuilder:
@@ -139,7 +244,7 @@ def exit_code_for(counts: dict[str, int], stop_reason: str | None, *, ingest_don
     """DESIGN.md's exit codes from the item counts and why the run stopped."""
     if stop_reason == "auth":
         return EXIT_AUTH
-    if stop_reason == "budget":
+    if stop_reason == BudgetExceededError.stop_reason:
         return EXIT_BUDGET
     if counts[ItemState.PENDING] or counts[ItemState.RUNNING] or not ingest_done:
         return EXIT_TEMPFAIL
@@ -170,6 +275,11 @@ async def run_job(
     spec = effective_spec(job, overrides)
     provider = provider_for(spec)
     runner = JobRunner(ledger, job, spec, provider, options, client=client)
+    if runner.spend_budget is not None and unbounded_answers(spec):
+        log.warning(
+            "the spec sets no [request] max_tokens, so the budget reserves the provider's default guess of an "
+            "answer's size for each request; longer answers can take the spend past the budget"
+        )
     if on_start:
         on_start(runner)
     result = await runner.run()

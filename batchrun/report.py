@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from batchrun.budget import budget_status
 from batchrun.ledger import ItemState, Ledger
 
 
@@ -44,6 +45,7 @@ def job_status(ledger: Ledger, job_id: int) -> dict[str, Any]:
         "requests": stats["attempts"],
         "tokens": {"input": stats["input_tokens"], "output": stats["output_tokens"], "cached": stats["cached_tokens"]},
         "cost_usd": round(stats["cost_usd"], 6),
+        "budget": budget_status(job.spec, stats["cost_usd"]),  # the budget as submitted; None without one
         "latency_ms": {
             "p50": percentile(lat, 50),
             "p90": percentile(lat, 90),

@@ -595,6 +595,14 @@ class Ledger:
                 counts[state] = n
         return counts
 
+    def spent_usd(self, job_id: int) -> float:
+        """What the job's attempts have cost so far (the sum of their ``cost_usd``): its budget's spend."""
+        with self.engine.connect() as conn:
+            total = conn.execute(
+                select(func.coalesce(func.sum(attempts_t.c.cost_usd), 0.0)).where(attempts_t.c.job_id == job_id)
+            ).scalar_one()
+        return float(total)
+
     def item_stats(self, job_id: int) -> dict[str, Any]:
         """Token totals, latencies of succeeded items, and errors by class."""
         with self.engine.connect() as conn:
