@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from batchrun.errors import (
 )
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
 from batchrun.ledger import ItemState, JobRecord, Ledger
-from batchrun.pricing import Price
+from batchrun.pricing import Price, price_for
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
 from batchrun.spec import JobSpec, Overrides
@@ -98,31 +98,35 @@ def _bad_lines(path: Path, checked: IngestStats) -> InputError:
     )
 
 
-@dataclass(frozen=True)
+@dataclass
 class DryRun:
     """What submitting an input would send: counts, a token estimate and a cost range. Nothing is sent."""
 
     input_path: str
     model: str | None
-    lines: int
-    to_send: int
-    rejected: int
-    rejections: list[tuple[int, str]]  # the first few (line, reason)
-    prompt_tokens: int  # estimated: ~4 bytes of request JSON per token
-    max_output_tokens: int  # the requests' answer limits (max_tokens)
-    price: Price | None
+    price: Price | None  # the job's price; None: each request at its own model's list price
     budget_usd: float  # 0: no budget
     unbounded_answers: bool  # requests set no max_tokens: the maximum is a guess, not a bound
+    lines: int = 0
+    to_send: int = 0
+    rejected: int = 0
+    rejections: list[tuple[int, str]] = field(default_factory=list)  # the first few (line, reason)
+    prompt_tokens: int = 0  # estimated: ~4 bytes of request JSON per token
+    max_output_tokens: int = 0  # the requests' answer limits (max_tokens)
+    min_usd: float = 0.0  # every prompt, no answer
+    max_usd: float = 0.0  # every prompt, every answer at its limit
+    unpriced: int = 0  # requests whose model has no known price
+    unpriced_models: set[str] = field(default_factory=set)
 
     @property
     def cost_min(self) -> float | None:
-        """Every prompt, no answer: the least these requests can cost."""
-        return self.price.cost(self.prompt_tokens, 0) if self.price else None
+        """The least these requests can cost: their prompts only (None when some have no price)."""
+        return None if self.unpriced else self.min_usd
 
     @property
     def cost_max(self) -> float | None:
-        """Every prompt, every answer at its max_tokens."""
-        return self.price.cost(self.prompt_tokens, self.max_output_tokens) if self.price else None
+        """Every prompt, every answer at its max_tokens (None when some have no price)."""
+        return None if self.unpriced else self.max_usd
 
     def to_json(self) -> dict[str, Any]:
         counts = dict.fromkeys(ItemState.ALL, 0)
@@ -147,7 +151,8 @@ class DryRun:
                 "output_per_million": price.output,
                 "cached_input_per_million": price.cached_input,
             },
-            "cost_usd": None if price is None else {"min": self.cost_min, "max": self.cost_max},
+            "cost_usd": None if self.unpriced else {"min": self.min_usd, "max": self.max_usd},
+            "unpriced": {"requests": self.unpriced, "models": sorted(self.unpriced_models)} if self.unpriced else None,
             "budget_usd": self.budget_usd or None,
             "unbounded_answers": self.unbounded_answers,
         }
@@ -159,35 +164,48 @@ def dry_run(spec: JobSpec, input_path: str | os.PathLike[str], *, strict: bool =
     Same checks, same rejections, the same request the first attempt of each
     item would send (structured-output request included); no ledger is opened
     and nothing is sent. With ``strict``, a bad line raises InputError as submit does.
+    Requests are priced at the job's price, else (input lines naming their own
+    models) at the list price of each request's ``model``, as the run would cost them.
     """
     _check_submittable(spec)
     path = Path(input_path)
     builder = _builder(spec)
     provider = builder.provider
-    tokens = [0, 0]
-
-    def estimate(url: str | None, body: str) -> None:
-        request = provider.prepare(url, body)
-        prompt, answer = split_estimate(provider.estimate_tokens(request), len(request.content))
-        tokens[0] += prompt
-        tokens[1] += answer
-
-    checked = check_input(path, builder, on_item=estimate)
-    if strict and checked.rejected:
-        raise _bad_lines(path, checked)
-    return DryRun(
+    report = DryRun(
         input_path=str(path),
         model=spec.provider.model,
-        lines=checked.lines,
-        to_send=checked.accepted,
-        rejected=checked.rejected,
-        rejections=checked.rejections,
-        prompt_tokens=tokens[0],
-        max_output_tokens=tokens[1],
         price=spec.price(),
         budget_usd=spec.run.budget_usd,
         unbounded_answers=unbounded_answers(spec),
     )
+    listed: dict[str, Price | None] = {}
+
+    def estimate(url: str | None, body: str) -> None:
+        request = provider.prepare(url, body)
+        prompt, answer = split_estimate(provider.estimate_tokens(request), len(request.content))
+        report.prompt_tokens += prompt
+        report.max_output_tokens += answer
+        price = report.price
+        if price is None:
+            model = orjson.loads(request.content).get("model")
+            model = model if isinstance(model, str) else "(none)"
+            if model not in listed:
+                listed[model] = price_for(model)
+            price = listed[model]
+            if price is None:
+                report.unpriced += 1
+                if len(report.unpriced_models) < 5:
+                    report.unpriced_models.add(model)
+                return
+        report.min_usd += price.cost(prompt, 0)
+        report.max_usd += price.cost(prompt, answer)
+
+    checked = check_input(path, builder, on_item=estimate)
+    if strict and checked.rejected:
+        raise _bad_lines(path, checked)
+    report.lines, report.to_send, report.rejected = checked.lines, checked.accepted, checked.rejected
+    report.rejections = checked.rejections
+    return report
 
 
 def _builder(spec: JobSpec) -> RequestBuilder:
