@@ -45,8 +45,10 @@ ROUNDING_MARGIN = 1e-9
 
 
 def usd(amount: float) -> str:
-    """Dollars for messages: cents for sums of a dollar or more, else four decimals."""
-    return f"${amount:,.2f}" if abs(amount) >= 1 else f"${amount:.4f}"
+    """Dollars for messages: cents from a dollar up, then four decimals, six below a cent (so figures add up)."""
+    if abs(amount) >= 1:
+        return f"${amount:,.2f}"
+    return f"${amount:.4f}" if abs(amount) >= 0.01 else f"${amount:.6f}"
 
 
 def worst_case_rate(price: Price) -> float:

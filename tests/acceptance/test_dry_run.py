@@ -83,7 +83,7 @@ def test_dry_run_counts_estimates_and_leaves_nothing_behind(tmp_path: Path, serv
     assert "24 lines, 20 items to send, 4 rejected" in out
     assert f"{records}:21: not valid JSON" in out and f"{records}:23: custom_id 'r03' appears twice" in out
     assert "~500 prompt" in out and "up to 1,000 output (max_tokens)" in out
-    assert "$0.0010 (prompts only) to $0.0090 (every answer at its limit)" in out
+    assert "$0.001000 (prompts only) to $0.009000 (every answer at its limit)" in out
     assert server.log == [] and ledgers_under(tmp_path) == []
 
 

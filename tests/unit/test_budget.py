@@ -153,3 +153,11 @@ def test_budget_without_a_price_is_a_spec_error() -> None:
     no_model = parse_spec({"provider": {"base_url": "http://127.0.0.1:9/v1"}, "run": {"budget_usd": 5}}, where="cli")
     with pytest.raises(SpecError, match="names no model.*or pass --model"):
         budget_price(no_model)
+
+
+def test_usd_shows_enough_digits_for_the_figures_to_add_up() -> None:
+    from batchrun.budget import usd
+
+    assert usd(1234.5) == "$1,234.50"
+    assert usd(0.5) == "$0.5000"
+    assert usd(0.00191) == "$0.001910"
