@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 import orjson
 
-from batchrun.errors import EXIT_BUDGET, EXIT_OK, EXIT_SOME_FAILED, EXIT_TEMPFAIL, BatchrunError, UsageError
+from batchrun.errors import (
+    EXIT_BUDGET,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+    EXIT_TEMPFAIL,
+    BatchrunError,
+    UsageError,
+)
 from batchrun.export import FORMATS, check_target, export_job
 from batchrun.ledger import ItemState, Ledger, default_db_path
 from batchrun.report import job_status
