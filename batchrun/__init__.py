@@ -5,6 +5,7 @@ from __future__ import annotations
 from batchrun.errors import (
     AuthError,
     BatchrunError,
+    BudgetExceededError,
     ExportError,
     InputError,
     JobLockedError,
@@ -22,6 +23,7 @@ from batchrun.errors import (
 __all__ = [
     "AuthError",
     "BatchrunError",
+    "BudgetExceededError",
     "ExportError",
     "InputError",
     "JobLockedError",

@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 import orjson
 
-from batchrun.errors import EXIT_OK, EXIT_SOME_FAILED, EXIT_TEMPFAIL, BatchrunError, UsageError
+from batchrun.errors import (
+    EXIT_BUDGET,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+    EXIT_TEMPFAIL,
+    BatchrunError,
+    UsageError,
+)
 from batchrun.export import FORMATS, check_target, export_job
 from batchrun.ledger import ItemState, Ledger, default_db_path
 from batchrun.redact import RedactingFilter, redact
@@ -28,7 +35,7 @@ from batchrun.report import job_status
 from batchrun.spec import Overrides, load_spec, spec_for_batch_input
 
 if TYPE_CHECKING:
-    from batchrun.jobs import RunSummary
+    from batchrun.jobs import DryRun, RunSummary
     from batchrun.scheduler import JobRunner
 
 # The run machinery (httpx, aiohttp, tenacity) is imported only by the commands
@@ -79,6 +86,10 @@ def override_options(fn: F) -> F:
             click.option("--max-runtime", type=Duration(), default=None,
                          help="Stop cleanly after this long (e.g. 30m, 2h): exit 75 with work left, resume later."),
             click.option("--tpm", type=click.FloatRange(min=0), default=None, help="Tokens per minute for the job (0: no limit)."),
+            click.option("--budget-usd", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
+                         help="The job's total spend cap in USD (overrides [run] budget_usd). Each request "
+                         "reserves its worst case before it is sent; at the cap the run stops with exit 4 "
+                         "(resume with a larger total)."),
             click.option("--transport", type=click.Choice(["aiohttp", "httpx"]), default="aiohttp", hidden=True),
             click.option("--quiet", "-q", is_flag=True, help="No progress display."),
         ]
@@ -98,6 +109,7 @@ def _overrides(kw: dict[str, Any]) -> Overrides:
         tpm=kw.get("tpm"),
         max_runtime=kw.get("max_runtime"),
         provider_kind=kw.get("provider_kind"),
+        budget_usd=kw.get("budget_usd"),
     )
 
 
@@ -275,6 +287,12 @@ def _finish(
         click.echo(f"batchrun: {summary.result.stop_message}", err=True)
     if summary.exit_code == EXIT_TEMPFAIL:
         click.echo(f"batchrun: job {summary.job_id} has work left; carry on with: batchrun resume {summary.job_id}", err=True)
+    if summary.exit_code == EXIT_BUDGET:
+        click.echo(
+            f"batchrun: job {summary.job_id} has work left; carry on with a larger total budget: "
+            f"batchrun resume {summary.job_id} --budget-usd AMOUNT",
+            err=True,
+        )
     sys.exit(summary.exit_code)
 
 
@@ -290,11 +308,15 @@ def _finish(
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (job_id, total, counts, ...) at the end.")
 @click.option("--provider", "provider_kind", type=click.Choice(["openai", "openai-responses", "anthropic"]),
               default=None, help="Without a SPEC: the API the batch lines are for (default openai).")
+@click.option("--dry-run", is_flag=True,
+              help="Read and render the whole input, print item and rejected counts, a token estimate and a cost "
+              "range; send nothing and create no job (the ledger is not opened).")
 @db_option
 @override_options
 @handle_errors
 def submit(spec: str | None, input_path: str, output: str | None, fmt: str, errors: str | None, force: bool,
-           new: bool, strict: bool, as_json: bool, db: str | None, quiet: bool, transport: str, **kw: Any) -> None:
+           new: bool, strict: bool, as_json: bool, dry_run: bool, db: str | None, quiet: bool, transport: str,
+           **kw: Any) -> None:
     """Submit INPUT under job SPEC and work it to the end.
 
     The same SPEC and input content find the existing job and carry it on
@@ -308,11 +330,18 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
       batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --output out.jsonl
       batchrun submit --input batch.jsonl --base-url http://127.0.0.1:8000/v1 --model gpt-4o-mini
       batchrun submit --input claude.jsonl --provider anthropic --base-url https://api.anthropic.com
+      batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --dry-run
+      batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --budget-usd 5
     """
     from batchrun.jobs import prepare_job
 
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
+    if dry_run:
+        from batchrun.jobs import dry_run as estimate
+
+        _show_dry_run(estimate(job_spec, input_path, strict=strict), as_json=as_json)
+        return
     with _open(db) as ledger:
         with _stoppable() as should_stop:
             prepared = prepare_job(ledger, job_spec, input_path, new=new, strict=strict, should_stop=should_stop)
@@ -327,6 +356,48 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
                 click.echo(f"batchrun: carrying on job {prepared.job_id} (same spec and input)", err=True)
         summary = _work(ledger, prepared.job_id, overrides=overrides, command="submit", transport=transport, quiet=quiet or as_json)
         _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
+
+
+def _show_dry_run(report: DryRun, *, as_json: bool) -> None:
+    from batchrun.budget import usd
+
+    if as_json:
+        click.echo(orjson.dumps(report.to_json()).decode())
+        return
+    click.echo("dry run: nothing was sent and no job was created")
+    click.echo(
+        f"  input     {report.input_path}: {report.lines} lines, {report.to_send} items to send, "
+        f"{report.rejected} rejected"
+    )
+    for line, reason in report.rejections:
+        click.echo(f"              {report.input_path}:{line}: {reason}")
+    if report.rejected > len(report.rejections):
+        click.echo(f"              ... and {report.rejected - len(report.rejections)} more")
+    click.echo(f"  model     {report.model or '(as in each input line)'}")
+    guess = " (no max_tokens set: the provider's default guess)" if report.unbounded_answers else " (max_tokens)"
+    click.echo(
+        f"  tokens    ~{report.prompt_tokens:,} prompt (estimated from request size), "
+        f"up to {report.max_output_tokens:,} output{guess}"
+    )
+    price = report.price
+    if report.cost_min is None or report.cost_max is None:
+        models = ", ".join(sorted(report.unpriced_models))
+        click.echo(
+            f"  cost      unknown: {report.unpriced} requests have no price (model {models}); "
+            "add a [pricing] table to the spec"
+        )
+        return
+    rate = f"${price.input:g} in / ${price.output:g} out per million tokens" if price else "each model's list price"
+    click.echo(
+        f"  cost      {usd(report.cost_min)} (prompts only) to {usd(report.cost_max)} (every answer at its limit), "
+        f"at {rate}"
+    )
+    if report.budget_usd > 0:
+        verdict = (
+            "the whole input fits even at the maximum" if report.cost_max <= report.budget_usd
+            else "the run stops with exit 4 if the spend reaches it; resume with a larger --budget-usd"
+        )
+        click.echo(f"  budget    {usd(report.budget_usd)}: {verdict}")
 
 
 @main.command()
@@ -344,8 +415,9 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
     """Carry on JOB: pending items and those a dead run left running. Finished items are never sent again.
 
     \b
-    Example:
+    Examples:
       batchrun resume 3 --output results.jsonl
+      batchrun resume 3 --budget-usd 20     # after exit 4: the job's new total budget
     """
     from batchrun.jobs import finish_interrupted_ingest
 

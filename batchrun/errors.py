@@ -9,6 +9,7 @@
     │   └── ExportError
     ├── JobNotFoundError      exit 2
     ├── JobLockedError        exit 75: another run holds the job
+    ├── BudgetExceededError   exit 4: the next request's worst case does not fit in the job's budget
     ├── LedgerError           the ledger cannot be opened or upgraded
     │   └── LedgerWriteError  exit 75: it failed during a run; resume later
     ├── ProviderError         one attempt went wrong
@@ -84,6 +85,13 @@ class JobLockedError(BatchrunError):
     """Another run is working on this job."""
 
     exit_code = 75
+
+
+class BudgetExceededError(BatchrunError):
+    """The job's budget is reached: the next request might cost more than is left of it."""
+
+    exit_code = EXIT_BUDGET
+    stop_reason: ClassVar[str] = "budget"  # the run's stop reason, mapped to exit 4 by the run's end
 
 
 class LedgerError(BatchrunError):

@@ -140,8 +140,15 @@ def _parse_line(raw: bytes | None, max_bytes: int) -> dict[str, Any]:
     return record
 
 
-def check_input(path: str | os.PathLike[str], builder: RequestBuilder) -> IngestStats:
-    """Read the whole input without writing anything: for ``--strict``, before a job exists."""
+def check_input(
+    path: str | os.PathLike[str],
+    builder: RequestBuilder,
+    on_item: Callable[[str | None, str], None] | None = None,
+) -> IngestStats:
+    """Read the whole input without writing anything: for ``--strict`` before a job exists, and ``--dry-run``.
+
+    ``on_item`` gets the (url, body) of every accepted line, as ingest would store it.
+    """
     stats = IngestStats()
     seen_ids: set[str] = set()
     max_bytes = builder.spec.run.max_line_bytes
@@ -149,11 +156,13 @@ def check_input(path: str | os.PathLike[str], builder: RequestBuilder) -> Ingest
         for line, raw in iter_lines(f, max_bytes):
             stats.lines += 1
             try:
-                custom_id, _, _ = builder.build(_parse_line(raw, max_bytes), line)
+                custom_id, url, body = builder.build(_parse_line(raw, max_bytes), line)
                 if custom_id in seen_ids:
                     raise _BadLine("duplicate_custom_id", f"custom_id {custom_id!r} appears twice")
                 seen_ids.add(custom_id)
                 stats.accepted += 1
+                if on_item is not None:
+                    on_item(url, body)
             except _BadLine as bad:
                 stats.rejected += 1
                 if len(stats.rejections) < MAX_STRICT_ERRORS_SHOWN:

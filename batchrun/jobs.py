@@ -5,19 +5,21 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 
+from batchrun.budget import budget_price, split_estimate, unbounded_answers
 from batchrun.errors import (
     EXIT_AUTH,
     EXIT_BUDGET,
     EXIT_OK,
     EXIT_SOME_FAILED,
     EXIT_TEMPFAIL,
+    BudgetExceededError,
     InputError,
     OutputInvalidError,
     SpecError,
@@ -25,6 +27,7 @@ from batchrun.errors import (
 )
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
 from batchrun.ledger import ItemState, JobRecord, Ledger
+from batchrun.pricing import Price, price_for
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
 from batchrun.spec import JobSpec, Overrides
@@ -65,8 +68,7 @@ def prepare_job(
     An interrupted ingest is carried on from its last stored line. With
     ``strict``, a bad line refuses the whole file before any job is created.
     """
-    if spec.has_template and not spec.provider.model:
-        raise SpecError(f"{spec.path or 'spec'}: [provider] model is required for a template job (or pass --model)")
+    _check_submittable(spec)
     path = Path(input_path)
     input_hash = hash_input(path)
     existing = None if new else ledger.find_job(spec.identity_hash(), input_hash)
@@ -76,13 +78,134 @@ def prepare_job(
     if strict and existing is None:
         checked = check_input(path, builder)
         if checked.rejected:
-            shown = "\n".join(f"  {path}:{line}: {reason}" for line, reason in checked.rejections)
-            raise InputError(
-                f"{path}: {checked.rejected} of {checked.lines} lines are bad (--strict), nothing was submitted:\n{shown}"
-            )
+            raise _bad_lines(path, checked)
     job_id, created = ledger.find_or_create_job(spec, input_path=str(path.absolute()), input_hash=input_hash, new=new)
     stats = _ingest_locked(ledger, job_id, path, builder, on_batch, should_stop)
     return PreparedJob(job_id, created, stats)
+
+
+def _check_submittable(spec: JobSpec) -> None:
+    """What a spec needs before its input is read: SpecError (exit 2) with nothing sent or created."""
+    if spec.has_template and not spec.provider.model:
+        raise SpecError(f"{spec.path or 'spec'}: [provider] model is required for a template job (or pass --model)")
+    budget_price(spec)  # a budget needs a known price
+
+
+def _bad_lines(path: Path, checked: IngestStats) -> InputError:
+    shown = "\n".join(f"  {path}:{line}: {reason}" for line, reason in checked.rejections)
+    return InputError(
+        f"{path}: {checked.rejected} of {checked.lines} lines are bad (--strict), nothing was submitted:\n{shown}"
+    )
+
+
+@dataclass
+class DryRun:
+    """What submitting an input would send: counts, a token estimate and a cost range. Nothing is sent."""
+
+    input_path: str
+    model: str | None
+    price: Price | None  # the job's price; None: each request at its own model's list price
+    budget_usd: float  # 0: no budget
+    unbounded_answers: bool  # requests set no max_tokens: the maximum is a guess, not a bound
+    lines: int = 0
+    to_send: int = 0
+    rejected: int = 0
+    rejections: list[tuple[int, str]] = field(default_factory=list)  # the first few (line, reason)
+    prompt_tokens: int = 0  # estimated: ~4 bytes of request JSON per token
+    max_output_tokens: int = 0  # the requests' answer limits (max_tokens)
+    min_usd: float = 0.0  # every prompt, no answer
+    max_usd: float = 0.0  # every prompt, every answer at its limit
+    unpriced: int = 0  # requests whose model has no known price
+    unpriced_models: set[str] = field(default_factory=set)
+
+    @property
+    def cost_min(self) -> float | None:
+        """The least these requests can cost: their prompts only (None when some have no price)."""
+        return None if self.unpriced else self.min_usd
+
+    @property
+    def cost_max(self) -> float | None:
+        """Every prompt, every answer at its max_tokens (None when some have no price)."""
+        return None if self.unpriced else self.max_usd
+
+    def to_json(self) -> dict[str, Any]:
+        counts = dict.fromkeys(ItemState.ALL, 0)
+        counts[ItemState.PENDING] = self.to_send
+        counts[ItemState.REJECTED] = self.rejected
+        price = self.price
+        return {
+            "dry_run": True,
+            "job_id": None,
+            "input": self.input_path,
+            "model": self.model,
+            "total": self.lines,
+            "counts": counts,
+            "to_send": self.to_send,
+            "rejected": self.rejected,
+            "rejections": [{"line": line, "reason": reason} for line, reason in self.rejections],
+            "tokens": {"prompt": self.prompt_tokens, "max_output": self.max_output_tokens},
+            "price": None
+            if price is None
+            else {
+                "input_per_million": price.input,
+                "output_per_million": price.output,
+                "cached_input_per_million": price.cached_input,
+            },
+            "cost_usd": None if self.unpriced else {"min": self.min_usd, "max": self.max_usd},
+            "unpriced": {"requests": self.unpriced, "models": sorted(self.unpriced_models)} if self.unpriced else None,
+            "budget_usd": self.budget_usd or None,
+            "unbounded_answers": self.unbounded_answers,
+        }
+
+
+def dry_run(spec: JobSpec, input_path: str | os.PathLike[str], *, strict: bool = False) -> DryRun:
+    """Read and render the whole input as ``submit`` would, and estimate what it would cost.
+
+    Same checks, same rejections, the same request the first attempt of each
+    item would send (structured-output request included); no ledger is opened
+    and nothing is sent. With ``strict``, a bad line raises InputError as submit does.
+    Requests are priced at the job's price, else (input lines naming their own
+    models) at the list price of each request's ``model``, as the run would cost them.
+    """
+    _check_submittable(spec)
+    path = Path(input_path)
+    builder = _builder(spec)
+    provider = builder.provider
+    report = DryRun(
+        input_path=str(path),
+        model=spec.provider.model,
+        price=spec.price(),
+        budget_usd=spec.run.budget_usd,
+        unbounded_answers=unbounded_answers(spec),
+    )
+    listed: dict[str, Price | None] = {}
+
+    def estimate(url: str | None, body: str) -> None:
+        request = provider.prepare(url, body)
+        prompt, answer = split_estimate(provider.estimate_tokens(request), len(request.content))
+        report.prompt_tokens += prompt
+        report.max_output_tokens += answer
+        price = report.price
+        if price is None:
+            model = orjson.loads(request.content).get("model")
+            model = model if isinstance(model, str) else "(none)"
+            if model not in listed:
+                listed[model] = price_for(model)
+            price = listed[model]
+            if price is None:
+                report.unpriced += 1
+                if len(report.unpriced_models) < 5:
+                    report.unpriced_models.add(model)
+                return
+        report.min_usd += price.cost(prompt, 0)
+        report.max_usd += price.cost(prompt, answer)
+
+    checked = check_input(path, builder, on_item=estimate)
+    if strict and checked.rejected:
+        raise _bad_lines(path, checked)
+    report.lines, report.to_send, report.rejected = checked.lines, checked.accepted, checked.rejected
+    report.rejections = checked.rejections
+    return report
 
 
 def _builder(spec: JobSpec) -> RequestBuilder:
@@ -139,7 +262,7 @@ def exit_code_for(counts: dict[str, int], stop_reason: str | None, *, ingest_don
     """DESIGN.md's exit codes from the item counts and why the run stopped."""
     if stop_reason == "auth":
         return EXIT_AUTH
-    if stop_reason == "budget":
+    if stop_reason == BudgetExceededError.stop_reason:
         return EXIT_BUDGET
     if counts[ItemState.PENDING] or counts[ItemState.RUNNING] or not ingest_done:
         return EXIT_TEMPFAIL
@@ -170,6 +293,11 @@ async def run_job(
     spec = effective_spec(job, overrides)
     provider = provider_for(spec)
     runner = JobRunner(ledger, job, spec, provider, options, client=client)
+    if runner.spend_budget is not None and unbounded_answers(spec):
+        log.warning(
+            "the spec sets no [request] max_tokens, so the budget reserves the provider's default guess of an "
+            "answer's size for each request; longer answers can take the spend past the budget"
+        )
     if on_start:
         on_start(runner)
     result = await runner.run()

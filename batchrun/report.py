@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from batchrun.errors import ExportError
+from batchrun.budget import budget_status
 from batchrun.ledger import ItemState, Ledger
 from batchrun.ledger.store import AttemptTotals, Distribution, ErrorGroup
 
@@ -97,6 +98,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "failed_requests": totals.requests - totals.clean,
         "tokens": {"input": totals.input_tokens, "output": totals.output_tokens, "cached": totals.cached_tokens},
         "cost_usd": round(totals.cost_usd, 6),
+        "budget": budget_status(job.spec, totals.cost_usd),  # the budget as submitted; None without one
         "cost_per_1k_items": _per_1k(totals.cost_usd, worked),
         "error_rate": (counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]) / worked if worked else None,
         **{m: _distribution(d) for m, d in dists.items()},
@@ -279,6 +281,11 @@ def status_lines(data: dict[str, Any]) -> list[str]:
         f"  cost      {fmt_money(data['cost_usd'])}" + (
             f" ({fmt_money(data['cost_per_1k_items'])} per 1,000 items)" if data["cost_per_1k_items"] is not None else ""
         ),
+    ]
+    budget = data.get("budget")
+    if budget:
+        lines.append(f"  budget    ${budget['limit_usd']:g} as submitted, {fmt_money(budget['remaining_usd'])} of it left")
+    lines += [
         f"  latency   {_percentiles(data['latency_ms'])}",
         f"  queue     {_percentiles(data['queue_wait_ms'])}",
         f"  ttft      {_percentiles(data['ttft_ms'])}",

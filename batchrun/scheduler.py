@@ -38,8 +38,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 from tenacity.wait import wait_base
 
+from batchrun.budget import SpendBudget, budget_price, settled_cost
 from batchrun.errors import (
     AuthError,
+    BudgetExceededError,
     LedgerWriteError,
     OutputInvalidError,
     ProviderError,
@@ -174,6 +176,8 @@ class JobRunner:
         self.request_budget = TokenBucket(spec.run.rpm) if spec.run.rpm > 0 else None
         self.token_budget = TokenBucket(spec.run.tpm) if spec.run.tpm > 0 else None
         self._budgets = [b for b in (self.request_budget, self.token_budget) if b is not None]
+        budget_at = budget_price(spec)  # SpecError here, before anything is sent, if a budget has no price
+        self.spend_budget = SpendBudget(spec.run.budget_usd, budget_at) if budget_at is not None else None
         self._crash: BaseException | None = None
         self._held_slots = 0
         self._failures_in_row = 0
@@ -202,6 +206,8 @@ class JobRunner:
         self._stop.set()
         self._wake.set()
         self.controller.stop()
+        if self.spend_budget is not None:
+            self.spend_budget.stop()
 
     @property
     def stopping(self) -> bool:
@@ -224,6 +230,8 @@ class JobRunner:
                 orphans = await self._ledger(self.ledger.requeue_expired, self.job.id)
             if orphans:
                 log.info("put %d items left running by an earlier run back to pending", orphans)
+            if self.spend_budget is not None:
+                self.spend_budget.spent = await self._ledger(self.ledger.spent_usd, self.job.id)
             for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, 2000):
                 self._note_latency(seconds)
             owns_client = self._client is None
@@ -346,6 +354,9 @@ class JobRunner:
         except AuthError as exc:
             self.request_stop("auth", f"authentication refused: {exc.message}")
             self._put_back(work)
+        except BudgetExceededError as exc:
+            self.request_stop(exc.stop_reason, exc.message)
+            self._put_back(work)
         except ProviderError as exc:
             self._finish(work, ItemState.FAILED, error=exc)
         except asyncio.CancelledError:
@@ -390,19 +401,27 @@ class JobRunner:
         request = self.provider.prepare(
             work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
         )
-        estimate = self.provider.estimate_tokens(request) if self.token_budget else 0
+        spend = self.spend_budget
+        estimate = self.provider.estimate_tokens(request) if self.token_budget or spend else 0
         if not await self.controller.acquire():
             raise _Stopped
+        held: float | None = None  # USD this request holds of the spend budget
         try:
             if self.request_budget:
                 await self.request_budget.take(1)
             if self.token_budget:
                 await self.token_budget.take(estimate)
+            if spend is not None:
+                held = await spend.reserve(estimate)  # BudgetExceededError: stop the run
+                if held is None:
+                    raise _Stopped
         except BaseException:
             self.controller.release()
             raise
         if self.stopping:
             self.controller.release()
+            if spend is not None and held is not None:
+                spend.release(held)
             raise _Stopped
         queue_wait_ms = (time.monotonic() - work.ready_at) * 1000.0
         started = time.time()
@@ -417,6 +436,8 @@ class JobRunner:
             error = exc
         except BaseException:
             self.controller.release()
+            if spend is not None and held is not None:
+                spend.settle(held, held)  # cut off in flight: it may have been billed
             raise
         finally:
             self.stats.in_flight -= 1
@@ -425,6 +446,9 @@ class JobRunner:
         # else: a clean answer keeps its slot until the writer has committed it, so
         # answers paid for but not yet in the ledger never exceed the concurrency.
         latency_ms = (time.perf_counter() - t0) * 1000.0
+        cost = self._cost(reply) if reply else None
+        if spend is not None and held is not None:
+            spend.settle(held, settled_cost(held, reply, cost, error))
         if self.token_budget:
             used = (reply.input_tokens or 0) + (reply.output_tokens or 0) if reply else 0
             self.token_budget.settle(estimate, used if reply else estimate)
@@ -466,7 +490,7 @@ class JobRunner:
             input_tokens=reply.input_tokens if reply else None,
             output_tokens=reply.output_tokens if reply else None,
             cached_tokens=reply.cached_tokens if reply else None,
-            cost_usd=self._cost(reply) if reply else None,
+            cost_usd=cost,
             ttft_ms=reply.ttft_ms if reply else None,
             tpot_ms=reply.tpot_ms if reply else None,
             counted=counted,

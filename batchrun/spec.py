@@ -128,6 +128,9 @@ class RunSpec:
     max_runtime: float = 0.0  # seconds a run may work before it stops cleanly (exit 75); 0 = no limit
     outage_seconds: float = 300.0  # every request failing this long: stop with exit 75, items pending
     stream: bool = False  # ask for server-sent events: time to first token and per output token are recorded
+    # The job's total spend cap in USD (exit 4 when the next request's worst case does not fit);
+    # 0 = no budget. Written in a spec or given as --budget-usd it must be > 0.
+    budget_usd: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ class Overrides:
     rpm: float | None = None
     tpm: float | None = None
     max_runtime: float | None = None
+    budget_usd: float | None = None
 
 
 @dataclass(frozen=True)
@@ -229,9 +233,11 @@ class JobSpec:
         run = self.run
         changes = {
             k: getattr(overrides, k)
-            for k in ("concurrency", "max_attempts", "timeout", "rpm", "tpm", "max_runtime")
+            for k in ("concurrency", "max_attempts", "timeout", "rpm", "tpm", "max_runtime", "budget_usd")
             if getattr(overrides, k) is not None
         }
+        if overrides.budget_usd is not None:
+            _check_budget(overrides.budget_usd, "--budget-usd")
         if changes:
             run = dataclasses.replace(run, **changes)
             _check_run(run, "command line")
@@ -381,6 +387,8 @@ def parse_spec(
         run_values[f.name] = float(value) if expected is float else value
     run = RunSpec(**run_values)
     _check_run(run, where)
+    if "budget_usd" in run_t:
+        _check_budget(run.budget_usd, f"{where}: [run] budget_usd")
 
     output = _parse_output(output_t, where, base_dir or Path.cwd())
     prices: dict[str, float | None] = {}
@@ -490,6 +498,11 @@ def _check_run(run: RunSpec, where: str) -> None:
     for key in ("grace_seconds", "hang_factor", "hang_min_seconds", "rpm", "tpm", "max_runtime"):
         if getattr(run, key) < 0:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number >= 0")
+
+
+def _check_budget(value: float, where: str) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise SpecError(f"{where} = {value}: expected a total in USD > 0 (leave it out for no budget)")
 
 
 def _table(data: Mapping[str, Any], name: str, where: str) -> Mapping[str, Any]:

@@ -640,6 +640,10 @@ class Ledger:
                 counts[state] = n
         return counts
 
+    def spent_usd(self, job_id: int) -> float:
+        """What the job's attempts have cost so far (the sum of their ``cost_usd``): its budget's spend."""
+        return self.attempt_totals(job_id).cost_usd
+
     def _measure(self, job_id: int, measure: str) -> tuple[Any, list[ColumnElement[bool]]]:
         """An attempt measure and the attempts it covers: clean answers for latency and TTFT, all for queue wait."""
         columns = {"latency_ms": attempts_t.c.latency_ms, "queue_wait_ms": attempts_t.c.queue_wait_ms,
