@@ -91,7 +91,11 @@ def override_options(fn: F) -> F:
                          "reserves its worst case before it is sent; at the cap the run stops with exit 4 "
                          "(resume with a larger total)."),
             click.option("--transport", type=click.Choice(["aiohttp", "httpx"]), default="aiohttp", hidden=True),
-            click.option("--quiet", "-q", is_flag=True, help="No progress display."),
+            click.option("--quiet", "-q", is_flag=True, help="No progress display on stderr."),
+            click.option("--log-file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                         help="Append JSON lines to FILE: every log record and a progress record each interval."),
+            click.option("--progress-interval", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+                         metavar="SECONDS", help="How often progress is logged when not on a terminal (and to --log-file)."),
         ]
     ):
         fn = option(fn)
@@ -163,6 +167,8 @@ def _work(
     command: str,
     transport: str,
     quiet: bool,
+    log_file: str | None = None,
+    progress_interval: float = 10.0,
 ) -> RunSummary:
     """Run a job with signal handling and the progress display; the only asyncio.run."""
     from batchrun.jobs import run_job
@@ -180,8 +186,8 @@ def _work(
             nonlocal progress
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, _on_signal, runner, signum)
-            if not quiet:
-                progress = asyncio.create_task(show_progress(runner, todo))
+            if not quiet or log_file:
+                progress = asyncio.create_task(show_progress(runner, todo, interval=progress_interval, quiet=quiet))
 
         try:
             return await run_job(
@@ -200,6 +206,26 @@ def _work(
                     await progress
 
     return _run_loop(go())
+
+
+def _log_to_file(path: str) -> None:
+    """``--log-file``: JSON lines of every batchrun log record at INFO and above (DEBUG with -vv)."""
+    from batchrun.progress import JsonLinesFormatter
+
+    try:
+        handler = logging.FileHandler(path, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"--log-file {path}: cannot open: {exc.strerror or exc}") from None
+    handler.setFormatter(JsonLinesFormatter())
+    handler.addFilter(RedactingFilter())
+    root = logging.getLogger()
+    handler.setLevel(min(root.level, logging.INFO))
+    # The stderr handler keeps the -v level; the package logs INFO so the file gets it.
+    for existing in root.handlers:
+        if existing.level == logging.NOTSET:
+            existing.setLevel(root.level)
+    logging.getLogger("batchrun").setLevel(min(root.level, logging.INFO))
+    root.addHandler(handler)
 
 
 def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
@@ -337,6 +363,8 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
 
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
+    if kw.get("log_file") and not dry_run:
+        _log_to_file(kw["log_file"])
     if dry_run:
         from batchrun.jobs import dry_run as estimate
 
@@ -354,7 +382,8 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
                     click.echo(f"  {input_path}:{line}: {reason}", err=True)
             if not prepared.created:
                 click.echo(f"batchrun: carrying on job {prepared.job_id} (same spec and input)", err=True)
-        summary = _work(ledger, prepared.job_id, overrides=overrides, command="submit", transport=transport, quiet=quiet or as_json)
+        summary = _work(ledger, prepared.job_id, overrides=overrides, command="submit", transport=transport,
+                        quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"])
         _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
 
 
@@ -422,12 +451,15 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
     from batchrun.jobs import finish_interrupted_ingest
 
     overrides = _overrides(kw)
+    if kw.get("log_file"):
+        _log_to_file(kw["log_file"])
     with _open(db) as ledger:
         ledger.get_job(job)
         _check_targets(ledger, job, output, errors, force)
         with _stoppable() as should_stop:
             finish_interrupted_ingest(ledger, job, should_stop)
-        summary = _work(ledger, job, overrides=overrides, command="resume", transport=transport, quiet=quiet or as_json)
+        summary = _work(ledger, job, overrides=overrides, command="resume", transport=transport,
+                        quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"])
         _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
 
 

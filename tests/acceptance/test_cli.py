@@ -441,3 +441,34 @@ def test_non_finite_spec_numbers_are_refused(tmp_path: Path, server: FakeOpenAIS
     spec = write_spec(tmp_path, server, SPEC.replace("concurrency = 4", "concurrency = 4\nlease_seconds = nan"))
     proc = run_cli(tmp_path, "submit", str(spec), "--input", str(write_records(tmp_path, 1)), "--db", str(tmp_path / "l.db"))
     assert proc.returncode == 2 and "[run] lease_seconds = nan: expected a finite number" in proc.stderr
+
+
+def test_log_file_gets_json_lines_with_progress_records(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    server.faults = Faults(seed=2, latency_s=0.02, p_500=0.1)
+    spec, records, db, log_file = write_spec(tmp_path, server), write_records(tmp_path, 60), tmp_path / "l.db", tmp_path / "run.jsonl"
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--quiet",
+                   "--log-file", str(log_file), "--progress-interval", "0.2")
+    assert proc.returncode == 0, proc.stderr
+    assert "done " not in proc.stderr  # --quiet: no progress on stderr, only in the file
+    entries = [orjson.loads(line) for line in log_file.read_bytes().splitlines()]
+    progress = [e["progress"] for e in entries if e["logger"] == "batchrun.progress"]
+    assert len(progress) >= 2
+    assert all({"done", "todo", "rate_per_s", "eta_s", "in_flight", "concurrency_now", "cost_usd", "errors"} <= set(p)
+               for p in progress)
+    final = progress[-1]
+    assert (final["done"], final["todo"], final["succeeded"]) == (60, 60, 60)
+    assert final["errors"].get("server_error", 0) == sum(1 for r in server.log if r.outcome == "500")
+    assert final["requests"] == len(server.log)
+    assert all({"ts", "level", "logger", "message"} <= set(e) for e in entries)
+    # a second run appends to the same file
+    again = run_cli(tmp_path, "resume", "1", "--db", str(db), "--quiet", "--log-file", str(log_file))
+    assert again.returncode == 0
+    assert len(log_file.read_bytes().splitlines()) > len(entries)
+
+
+def test_log_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path, server: FakeOpenAIServer) -> None:
+    spec, records = write_spec(tmp_path, server), write_records(tmp_path, 3)
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(tmp_path / "l.db"),
+                   "--log-file", str(tmp_path / "no" / "such" / "dir.jsonl"))
+    assert proc.returncode == 2 and "--log-file" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "l.db").exists() and server.log == []  # refused before anything was done

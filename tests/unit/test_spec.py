@@ -113,3 +113,20 @@ def test_template_missing_field_names_it() -> None:
     with pytest.raises(TemplateFieldError) as info:
         t.render({"a": {"x": 1}})
     assert info.value.args[0] == "a.b"
+
+
+def test_every_bundled_job_spec_loads_and_renders_its_example_input() -> None:
+    """The specs in jobs/ are documentation people copy: each must load and render its input."""
+    from batchrun.ingest import RequestBuilder, check_input
+    from batchrun.providers import provider_for
+
+    jobs = Path(__file__).resolve().parents[2] / "jobs"
+    specs = sorted(jobs.glob("*.toml"))
+    assert {p.stem for p in specs} >= {"summarize", "triage", "nightly"}
+    for path in specs:
+        spec = load_spec(path)
+        example = jobs / f"{path.stem}.jsonl"
+        if not example.exists():
+            example = jobs / "triage.jsonl"  # nightly.toml runs over ticket files like triage's
+        stats = check_input(example, RequestBuilder(spec, provider_for(spec, api_key=None, read_key=False)))
+        assert stats.rejected == 0 and stats.accepted == stats.lines > 0, (path, stats.rejections)
