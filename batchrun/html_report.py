@@ -21,8 +21,8 @@ from batchrun.report import (
     fmt_ms,
     fmt_pct,
     fmt_rate,
-    fmt_seconds,
     nice_step,
+    overview_rows,
 )
 
 WIDTH, HEIGHT = 760, 260
@@ -204,7 +204,7 @@ def render_html(data: dict[str, Any]) -> str:
     """The whole page for one :func:`~batchrun.report.job_report`."""
     e = escape
     title = f"Job {data['job_id']}" + (f" ({data['name']})" if data["name"] else "")
-    counts, tokens, lat = data["counts"], data["tokens"], data["latency_ms"]
+    counts, lat = data["counts"], data["latency_ms"]
     cards = [
         (f"{counts['succeeded']:,} / {data['total']:,}", "succeeded / items"),
         (fmt_pct(data["error_rate"]), "error rate (failed or invalid)"),
@@ -213,18 +213,7 @@ def render_html(data: dict[str, Any]) -> str:
         (fmt_rate(data["throughput_per_s"]), "throughput"),
         (fmt_money(data["cost_usd"]), "cost"),
     ]
-    overview = [
-        ("input", data["input"]),
-        ("model", f"{data['model'] or '(as in each input line)'} at {data['base_url']}"),
-        ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_at"]))),
-        ("items", f"{data['total']:,} total, {data['finished']:,} finished" + (" (done)" if data["done"] else "")),
-        ("states", "  ".join(f"{k} {v:,}" for k, v in counts.items() if v) or "no items"),
-        ("requests", f"{data['requests']:,} ({data['failed_requests']:,} failed)"),
-        ("throughput", f"{fmt_rate(data['throughput_per_s'])} over {fmt_seconds(data['elapsed_s'])}"),
-        ("eta", fmt_seconds(data["eta_s"])),
-        ("tokens", f"{tokens['input']:,} in, {tokens['output']:,} out, {tokens['cached']:,} cached"),
-        ("cost", f"{fmt_money(data['cost_usd'])} ({fmt_money(data['cost_per_1k_items'])} per 1,000 items)"),
-    ]
+    overview = overview_rows(data)
     timing = [
         [("", e(label)), ("n", f"{data[m]['count']:,}")]
         + [("n", e(fmt_ms(data[m][f"p{p}"]))) for p in PERCENTILES]

@@ -368,22 +368,8 @@ def _table(title: str, *columns: str, right: Sequence[int] = (), header: bool = 
 
 def report_tables(data: dict[str, Any]) -> list[Table]:
     """The tables of ``batchrun report`` (the HTML page shows the same)."""
-    counts = data["counts"]
-    tokens = data["tokens"]
     overview = _table(f"Job {data['job_id']}" + (f" ({data['name']})" if data["name"] else ""), "", "", header=False)
-    for key, value in (
-        ("input", data["input"]),
-        ("model", f"{data['model'] or '(as in each input line)'} at {data['base_url']}"),
-        ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_at"]))),
-        ("items", f"{data['total']:,} total, {data['finished']:,} finished" + (" (done)" if data["done"] else "")),
-        ("states", "  ".join(f"{k} {v:,}" for k, v in counts.items() if v) or "no items"),
-        ("requests", f"{data['requests']:,} ({data['failed_requests']:,} failed)"),
-        ("error rate", fmt_pct(data["error_rate"]) + " of items sent (failed or invalid)"),
-        ("throughput", fmt_rate(data["throughput_per_s"]) + f" over {fmt_seconds(data['elapsed_s'])}"),
-        ("eta", fmt_seconds(data["eta_s"])),
-        ("tokens", f"{tokens['input']:,} in, {tokens['output']:,} out, {tokens['cached']:,} cached"),
-        ("cost", f"{fmt_money(data['cost_usd'])} ({fmt_money(data['cost_per_1k_items'])} per 1,000 items)"),
-    ):
+    for key, value in overview_rows(data):
         overview.add_row(key, value)
 
     timing = _table("Timing", "", "count", *(f"p{p}" for p in PERCENTILES), "mean", "max", right=range(1, 7))
@@ -413,6 +399,27 @@ def report_tables(data: dict[str, Any]) -> list[Table]:
             attempts.add_row(n, f"{items:,}")
     tables.append(attempts)
     return tables
+
+
+def overview_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """The job's overview as (label, text) rows: the first table of the text report and the page."""
+    counts, tokens, budget = data["counts"], data["tokens"], data.get("budget")
+    rows = [
+        ("input", data["input"]),
+        ("model", f"{data['model'] or '(as in each input line)'} at {data['base_url']}"),
+        ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_at"]))),
+        ("items", f"{data['total']:,} total, {data['finished']:,} finished" + (" (done)" if data["done"] else "")),
+        ("states", "  ".join(f"{k} {v:,}" for k, v in counts.items() if v) or "no items"),
+        ("requests", f"{data['requests']:,} ({data['failed_requests']:,} failed)"),
+        ("error rate", fmt_pct(data["error_rate"]) + " of items sent (failed or invalid)"),
+        ("throughput", fmt_rate(data["throughput_per_s"]) + f" over {fmt_seconds(data['elapsed_s'])}"),
+        ("eta", fmt_seconds(data["eta_s"])),
+        ("tokens", f"{tokens['input']:,} in, {tokens['output']:,} out, {tokens['cached']:,} cached"),
+        ("cost", f"{fmt_money(data['cost_usd'])} ({fmt_money(data['cost_per_1k_items'])} per 1,000 items)"),
+    ]
+    if budget:
+        rows.append(("budget", f"${budget['limit_usd']:g} as submitted, {fmt_money(budget['remaining_usd'])} of it left"))
+    return rows
 
 
 def render_report(data: dict[str, Any], console: Console) -> None:

@@ -28,6 +28,7 @@ from batchrun.providers.base import (
     Reply,
     StreamAssembler,
     error_for_status,
+    followup_turns,
     json_or_none,
     stream_error,
 )
@@ -151,10 +152,7 @@ class AnthropicProvider:
         if max_tokens is not None:
             data["max_tokens"] = max_tokens
         if followups:
-            messages = list(data.get("messages", []))
-            for answer, feedback in followups:
-                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": feedback}]
-            data["messages"] = messages
+            data["messages"] = [*data.get("messages", []), *followup_turns(followups)]
         return PreparedRequest(self.endpoint(url), self.headers, orjson.dumps(data), stream=self.stream)
 
     def stream_assembler(self) -> StreamAssembler:

@@ -134,6 +134,14 @@ class Provider(Protocol):
         ...
 
 
+def followup_turns(followups: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+    """A re-ask's extra turns: each earlier answer as the assistant's, its feedback as the user's."""
+    turns: list[dict[str, str]] = []
+    for answer, feedback in followups:
+        turns += [{"role": "assistant", "content": answer}, {"role": "user", "content": feedback}]
+    return turns
+
+
 def redact_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: ("***" if k.lower() in SECRET_HEADERS else v) for k, v in headers.items()}
 

@@ -16,6 +16,7 @@ from batchrun.providers.base import (
     Reply,
     StreamAssembler,
     error_for_status,
+    followup_turns,
     json_or_none,
     stream_error,
 )
@@ -130,10 +131,7 @@ class OpenAIProvider:
             key = "max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"
             data[key] = max_tokens
         if followups:
-            messages = list(data.get("messages", []))
-            for answer, feedback in followups:
-                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": feedback}]
-            data["messages"] = messages
+            data["messages"] = [*data.get("messages", []), *followup_turns(followups)]
         return PreparedRequest(self.endpoint(url), self.headers, orjson.dumps(data), stream=self.stream)
 
     def stream_assembler(self) -> StreamAssembler:

@@ -17,7 +17,7 @@ import httpx
 import orjson
 
 from batchrun.errors import ProviderError
-from batchrun.providers.base import PreparedRequest, Reply, StreamAssembler, stream_error
+from batchrun.providers.base import PreparedRequest, Reply, StreamAssembler, followup_turns, stream_error
 from batchrun.providers.openai import (
     OpenAIProvider,
     estimate_tokens,
@@ -92,9 +92,7 @@ class OpenAIResponsesProvider(OpenAIProvider):
         if followups:
             turns = data.get("input", [])
             turns = [{"role": "user", "content": turns}] if isinstance(turns, str) else list(turns)
-            for answer, feedback in followups:
-                turns += [{"role": "assistant", "content": answer}, {"role": "user", "content": feedback}]
-            data["input"] = turns
+            data["input"] = [*turns, *followup_turns(followups)]
         return PreparedRequest(self.endpoint(url), self.headers, orjson.dumps(data), stream=self.stream)
 
     def stream_assembler(self) -> StreamAssembler:
