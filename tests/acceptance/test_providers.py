@@ -50,7 +50,7 @@ def run(tmp_path: Path, *args: str, key: str = KEY, timeout: float = 180) -> tup
     import subprocess
 
     env = cli_env(tmp_path)
-    env["TEST_PROVIDER_KEY"] = key
+    env["TEST_PROVIDER_KEY"] = env["ANTHROPIC_API_KEY"] = key
     proc = subprocess.run(batchrun_cmd("-vv", *args), capture_output=True, text=True, env=env, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -215,3 +215,38 @@ def test_structured_output_is_validated_and_re_asked_on_every_api(tmp_path: Path
             assert set(line["output"]) == {"label", "score"}
     # every schema violation cost exactly one re-ask (re-asks are answered well here)
     assert len(log) == n + faulted["schema_violation"]  # fenced answers are read as they are, refusals end
+
+
+def test_anthropic_batch_lines_without_a_spec_and_the_anthropic_batch_export(tmp_path: Path) -> None:
+    lines = [{"custom_id": f"c{i}", "params": {"model": "claude-x", "max_tokens": 100, "system": "Be brief.",
+                                              "messages": [{"role": "user", "content": f"Say hello {i}"}]}}
+             for i in range(20)]
+    lines.append({"custom_id": "bad", "params": {"model": "claude-x", "messages": [{"role": "user", "content": "x"}]}})
+    lines.append({"custom_id": "openai-form", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "m", "messages": [{"role": "user", "content": "x"}]}})
+    path = tmp_path / "claude.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    with FakeOpenAIServer(Faults(seed=3, p_overloaded=0.1), api_key=KEY) as server:
+        db, out = tmp_path / "l.db", tmp_path / "out.jsonl"
+        code, stdout, stderr = run(tmp_path, "submit", "--input", str(path), "--provider", "anthropic",
+                                   "--base-url", server.anthropic_base_url, "--db", str(db), "--output", str(out),
+                                   "--format", "anthropic-batch", "--quiet")
+        log = server.log
+    assert code == 1, stderr  # two rejected lines
+    assert "positive integer 'max_tokens'" in stderr and "convert_openai_input = true" in stderr
+    results = {x["custom_id"]: x["result"] for x in map(orjson.loads, out.read_bytes().splitlines())}
+    assert results["c7"]["type"] == "succeeded"
+    message = results["c7"]["message"]
+    assert message["type"] == "message" and message["content"][0]["text"] == "echo: Say hello 7"
+    assert results["bad"]["type"] == "errored" and results["bad"]["error"]["type"] == "error"
+    assert {r.api for r in log} == {"messages"} and sum(r.outcome == "ok" for r in log) == 20
+    # the same lines through a spec that converts OpenAI Batch lines as well
+    with FakeOpenAIServer(Faults(seed=3), api_key=KEY) as server:
+        spec = tmp_path / "convert.toml"
+        spec.write_text(f'[provider]\nkind = "anthropic"\nbase_url = "{server.anthropic_base_url}"\n'
+                        'convert_openai_input = true\n[request]\nmax_tokens = 64\n')
+        code, _, stderr = run(tmp_path, "submit", str(spec), "--input", str(path), "--db", str(db), "--quiet",
+                              "--output", str(tmp_path / "conv.jsonl"))
+        converted = [r for r in server.log if r.key == "x"]
+    assert code == 1, stderr  # only the line without max_tokens is rejected now
+    assert len(converted) == 1 and converted[0].api == "messages" and converted[0].outcome == "ok"
