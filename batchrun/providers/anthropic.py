@@ -23,6 +23,7 @@ import orjson
 
 from batchrun.errors import ProviderError, RetryableError, SpecError
 from batchrun.providers.base import (
+    JSON_HEADERS,
     PreparedRequest,
     RateLimits,
     Reply,
@@ -62,8 +63,7 @@ class AnthropicProvider:
         self.model = spec.provider.model
         self._base_has_path = urlsplit(self.base_url).path not in ("", "/")
         self.headers = {
-            "content-type": "application/json",
-            "accept": "application/json",
+            **JSON_HEADERS,
             "anthropic-version": spec.provider.anthropic_version,
         }
         if api_key:

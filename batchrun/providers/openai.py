@@ -11,6 +11,7 @@ import orjson
 
 from batchrun.errors import ProviderError, RetryableError
 from batchrun.providers.base import (
+    JSON_HEADERS,
     PreparedRequest,
     RateLimits,
     Reply,
@@ -41,7 +42,7 @@ class OpenAIProvider:
         self.base_url = spec.provider.base_url.rstrip("/")
         self.model = spec.provider.model
         self._base_has_path = urlsplit(self.base_url).path not in ("", "/")
-        self.headers = {"content-type": "application/json", "accept": "application/json"}
+        self.headers = dict(JSON_HEADERS)
         if api_key:
             self.headers["authorization"] = f"Bearer {api_key}"
         self.warnings: list[str] = []
