@@ -62,12 +62,13 @@ class AnthropicProvider:
         self.base_url = spec.provider.base_url.rstrip("/")
         self.model = spec.provider.model
         self._base_has_path = urlsplit(self.base_url).path not in ("", "/")
-        self.headers = {
+        headers = {
             **JSON_HEADERS,
             "anthropic-version": spec.provider.anthropic_version,
         }
         if api_key:
-            self.headers["x-api-key"] = api_key
+            headers["x-api-key"] = api_key
+        self.headers = httpx.Headers(headers)  # built once; each request copies it cheaply
         self.warnings: list[str] = []
         self.stream = spec.run.stream
         if spec.has_template and spec.request.max_tokens is None:

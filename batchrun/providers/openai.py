@@ -42,9 +42,10 @@ class OpenAIProvider:
         self.base_url = spec.provider.base_url.rstrip("/")
         self.model = spec.provider.model
         self._base_has_path = urlsplit(self.base_url).path not in ("", "/")
-        self.headers = dict(JSON_HEADERS)
+        headers = dict(JSON_HEADERS)
         if api_key:
-            self.headers["authorization"] = f"Bearer {api_key}"
+            headers["authorization"] = f"Bearer {api_key}"
+        self.headers = httpx.Headers(headers)  # built once; each request copies it cheaply
         self.warnings: list[str] = []
         self.response_format = self._response_format(spec)
         self.stream = spec.run.stream
