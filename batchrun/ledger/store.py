@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import os
 import socket
@@ -190,6 +192,22 @@ _FINAL_COLUMNS = (
     "error_message", "input_tokens", "output_tokens", "latency_ms", "finished_at", "cost_usd",
 )
 _BACK_COLUMNS = ("status_code", "error_class", "error_message")
+_ATTEMPT_COLUMNS = tuple(f.name for f in dataclasses.fields(AttemptRecord) if f.name != "counted")
+# The writer's hot path on SQLite goes straight to the driver's executemany (as ingest does):
+# SQLAlchemy's per-row parameter processing cost about as much as the writes themselves.
+_SQLITE_INSERT_ATTEMPTS = (
+    f"INSERT INTO attempts ({', '.join(_ATTEMPT_COLUMNS)}) VALUES ({', '.join('?' * len(_ATTEMPT_COLUMNS))})"
+)
+_SQLITE_CHARGE_ATTEMPTS = "UPDATE items SET attempts = attempts + ? WHERE id = ?"
+_SQLITE_HELD = "WHERE id = ? AND lease_owner = ? AND state = 'running'"
+_SQLITE_FINISH = (
+    f"UPDATE items SET {', '.join(f'{c} = ?' for c in _FINAL_COLUMNS)}, lease_owner = NULL, lease_expires = NULL "
+    + _SQLITE_HELD
+)
+_SQLITE_PUT_BACK = (
+    f"UPDATE items SET {', '.join(f'{c} = ?' for c in _BACK_COLUMNS)}, state = 'pending', lease_owner = NULL, "
+    "lease_expires = NULL " + _SQLITE_HELD
+)
 
 
 def _no_nul(value: Any) -> Any:
@@ -516,10 +534,12 @@ class Ledger:
         """
         if not outcomes and not attempts:
             return
-        clean = (lambda params: params) if self.is_sqlite else (lambda params: {k: _no_nul(v) for k, v in params.items()})
+        if self.is_sqlite:
+            self._record_sqlite(run_id, outcomes, attempts)
+            return
         with self._write() as conn:
             if attempts:
-                rows = [clean({k: v for k, v in a.__dict__.items() if k != "counted"}) for a in attempts]
+                rows = [{k: _no_nul(v) for k, v in a.__dict__.items() if k != "counted"} for a in attempts]
                 conn.execute(insert(attempts_t), rows)
                 # The attempt budget lives here, so it holds across restarts and kills.
                 charged = Counter(a.item_id for a in attempts if a.counted)
@@ -546,8 +566,30 @@ class Ledger:
                             update(items_t)
                             .where(guard)
                             .values(**values, **fixed, lease_owner=None, lease_expires=None),
-                            [clean(_bind(o)) for o in batch],
+                            [{k: _no_nul(v) for k, v in _bind(o).items()} for o in batch],
                         )
+
+    def _record_sqlite(self, run_id: str, outcomes: Sequence[Outcome], attempts: Sequence[AttemptRecord]) -> None:
+        """:meth:`record` for SQLite, with the same statements written for its driver."""
+        with self._write() as conn:
+            if attempts:
+                conn.exec_driver_sql(
+                    _SQLITE_INSERT_ATTEMPTS, [tuple(getattr(a, c) for c in _ATTEMPT_COLUMNS) for a in attempts]
+                )
+                charged = Counter(a.item_id for a in attempts if a.counted)
+                if charged:
+                    conn.exec_driver_sql(_SQLITE_CHARGE_ATTEMPTS, [(n, item_id) for item_id, n in charged.items()])
+            finished = [o for o in outcomes if o.state != ItemState.PENDING]
+            if finished:
+                conn.exec_driver_sql(
+                    _SQLITE_FINISH,
+                    [(*(getattr(o, c) for c in _FINAL_COLUMNS), o.item_id, run_id) for o in finished],
+                )
+            back = [o for o in outcomes if o.state == ItemState.PENDING]
+            if back:
+                conn.exec_driver_sql(
+                    _SQLITE_PUT_BACK, [(*(getattr(o, c) for c in _BACK_COLUMNS), o.item_id, run_id) for o in back]
+                )
 
     def release(self, run_id: str, item_ids: Sequence[int]) -> None:
         """Give leased items back (to pending) untouched."""
