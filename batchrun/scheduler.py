@@ -76,6 +76,9 @@ class RunOptions:
     initial_concurrency: int = 4
     flush_interval: float = 0.1
     flush_count: int = 500
+    # A clean answer holds its slot until committed: once one is waiting, the writer
+    # commits after at most this long (group commit), so slots come back quickly.
+    held_flush_wait: float = 0.02
     heartbeat_interval: float = 10.0
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
@@ -622,7 +625,7 @@ class JobRunner:
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:
-        if len(self._outcomes) >= self._flush_count:
+        if len(self._outcomes) >= self._flush_count or self._held_slots:
             self._flush_now.set()
 
     async def _writer(self) -> None:
@@ -633,6 +636,8 @@ class JobRunner:
             except TimeoutError:
                 pass
             self._flush_now.clear()
+            if self._held_slots and len(self._outcomes) < self._flush_count and not self._writer_done:
+                await asyncio.sleep(self.options.held_flush_wait)  # let a batch gather
             self.stats.window = self.controller.allowed
             self.stats.paused_for = self.controller.paused_for()
             outcomes, self._outcomes = self._outcomes, []
