@@ -21,11 +21,32 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# SQLSTATEs of a server going away or not there yet: admin_shutdown (a restart),
+# crash_shutdown, cannot_connect_now ("the database system is starting up").
+_GONE_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+
+
 def is_disconnect(exc: BaseException) -> bool:
-    """The database went away or cannot be reached right now (worth retrying)."""
-    if isinstance(exc, (OperationalError, InterfaceError)):
+    """The database went away or cannot be reached right now (worth retrying).
+
+    SQLAlchemy marks a connection lost mid-use (``connection_invalidated``); a failure to
+    connect is psycopg's OperationalError without a SQLSTATE (refused, reset, timed out),
+    a connection exception (class 08) or one of the shutdown/start-up states. Anything
+    else (a constraint, a full disk, a bug) is not retried: it would fail again.
+    """
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
-    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+    if not isinstance(exc, (OperationalError, InterfaceError)):
+        return False
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - PostgreSQL ledgers need it
+        return False
+    orig = exc.orig
+    if not isinstance(orig, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return False
+    sqlstate = orig.sqlstate
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in _GONE_SQLSTATES
 
 
 async def ride_out(call: Callable[[], Awaitable[T]], *, for_seconds: float, what: str) -> T:
