@@ -29,7 +29,7 @@ from batchrun.errors import (
     UsageError,
 )
 from batchrun.export import FORMATS, check_target, export_job
-from batchrun.ledger import ItemState, Ledger, default_db_path
+from batchrun.ledger import ItemState, Ledger, default_db_path, resolve_db_url
 from batchrun.redact import RedactingFilter, redact
 from batchrun.report import job_status
 from batchrun.spec import Overrides, load_spec, spec_for_batch_input
@@ -37,6 +37,7 @@ from batchrun.spec import Overrides, load_spec, spec_for_batch_input
 if TYPE_CHECKING:
     from batchrun.jobs import DryRun, RunSummary
     from batchrun.scheduler import JobRunner
+    from batchrun.worker import Worker, WorkerResult
 
 # The run machinery (httpx, aiohttp, tenacity) is imported only by the commands
 # that send requests, so status/list/export start fast.
@@ -337,11 +338,13 @@ def _finish(
 @click.option("--dry-run", is_flag=True,
               help="Read and render the whole input, print item and rejected counts, a token estimate and a cost "
               "range; send nothing and create no job (the ledger is not opened).")
+@click.option("--no-run", is_flag=True,
+              help="Only store the job and its items (exit 0); `batchrun worker` processes work it.")
 @db_option
 @override_options
 @handle_errors
 def submit(spec: str | None, input_path: str, output: str | None, fmt: str, errors: str | None, force: bool,
-           new: bool, strict: bool, as_json: bool, dry_run: bool, db: str | None, quiet: bool, transport: str,
+           new: bool, strict: bool, as_json: bool, dry_run: bool, no_run: bool, db: str | None, quiet: bool, transport: str,
            **kw: Any) -> None:
     """Submit INPUT under job SPEC and work it to the end.
 
@@ -382,6 +385,11 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
                     click.echo(f"  {input_path}:{line}: {reason}", err=True)
             if not prepared.created:
                 click.echo(f"batchrun: carrying on job {prepared.job_id} (same spec and input)", err=True)
+        if no_run:
+            if as_json:
+                counts = ledger.counts(prepared.job_id)
+                click.echo(orjson.dumps({"job_id": prepared.job_id, "total": sum(counts.values()), "counts": counts}).decode())
+            return
         summary = _work(ledger, prepared.job_id, overrides=overrides, command="submit", transport=transport,
                         quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"])
         _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
@@ -765,6 +773,97 @@ def check(spec: str, input_path: str, line: int, as_json: bool, **kw: Any) -> No
     result = _run_loop(check_spec(job_spec, input_path=input_path, line=line))
     click.echo(orjson.dumps(result.to_dict()).decode() if as_json else render_check(result))
     sys.exit(result.exit_code)
+
+
+@main.command()
+@click.argument("jobs", type=int, nargs=-1)
+@click.option("--exit-when-idle", is_flag=True,
+              help="Exit (0) once the jobs served have no items pending or running. Default: keep polling.")
+@click.option("--poll", type=Duration(), default=2.0, show_default=True,
+              help="How often to look for new work and for items whose worker died.")
+@click.option("--lease", type=Duration(), default=None,
+              help="How long a claimed item stays this worker's without a heartbeat: a killed worker's items "
+                   "come back after this. Default: the job's lease_seconds (120 s).")
+@click.option("--db-retry", type=Duration(), default=180.0, show_default=True,
+              help="Ride out a database restart this long (seconds, or 3m) before giving up with exit 75.")
+@db_option
+@override_options
+@handle_errors
+def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: float | None, db_retry: float,
+           db: str | None, quiet: bool, transport: str, **kw: Any) -> None:
+    """Work JOBs (default: every job with work) of a PostgreSQL ledger, beside other workers anywhere.
+
+    A long-lived process: claims items in batches (FOR UPDATE SKIP LOCKED, with
+    leases renewed by heartbeat), polls for new jobs and for items a dead
+    worker left, and shares --concurrency evenly among the jobs it works. A
+    job's --rpm/--tpm is one budget for all its workers, kept in the ledger.
+    Other overrides (--base-url, --model, --timeout, ...) apply to every job
+    it works. SQLite ledgers are refused: use submit/resume there.
+
+    SIGINT/SIGTERM: stop claiming, finish requests in flight (grace period),
+    put the rest back to pending, exit 75 if work is left (0 if none). A
+    second signal exits at once (the leases expire and other workers take
+    the items). The database may restart meanwhile: ledger calls are retried
+    for --db-retry. See README, "Operations: many workers over PostgreSQL".
+
+    \b
+    Examples:
+      export BATCHRUN_DB=postgresql+psycopg://batchrun@db.internal/batchrun
+      batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --no-run  # store it; workers do the rest
+      batchrun worker --concurrency 64                  # every job, until stopped
+      batchrun worker 3 7 --exit-when-idle --lease 60s  # jobs 3 and 7, exit when done
+      batchrun status 3
+    """
+    from batchrun.worker import DEFAULT_CONCURRENCY, Worker, WorkerOptions
+
+    if resolve_db_url(db).startswith("sqlite"):
+        raise UsageError(
+            "batchrun worker needs a PostgreSQL ledger (--db postgresql+psycopg://... or BATCHRUN_DB); a SQLite "
+            "ledger serves one run per job on one machine: use `batchrun submit` / `batchrun resume JOB` there"
+        )
+    concurrency = kw.pop("concurrency") or DEFAULT_CONCURRENCY
+    max_runtime = kw.pop("max_runtime") or 0.0
+    options = WorkerOptions(
+        concurrency=concurrency, poll_interval=poll, exit_when_idle=exit_when_idle, max_runtime=max_runtime,
+        lease_seconds=lease, ledger_retry_seconds=db_retry, transport=transport,
+    )
+    with _open(db) as ledger:
+        runner = Worker(ledger, list(jobs) or None, overrides=_overrides(kw), options=options)
+
+        async def go() -> WorkerResult:
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, _on_worker_signal, runner, signum)
+            try:
+                return await runner.run()
+            finally:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(signum)
+
+        if not quiet:
+            served = " ".join(map(str, jobs)) if jobs else "every job with work"
+            click.echo(f"batchrun: worker on {ledger.url}: {served}, concurrency {concurrency}", err=True)
+        result = _run_loop(go())
+    done = " ".join(f"{state}={n}" for state, n in sorted(result.done.items()) if n) or "nothing"
+    click.echo(f"jobs {' '.join(map(str, result.jobs)) or '-'}: {done}")
+    if result.stop_message:
+        click.echo(f"batchrun: {result.stop_message}", err=True)
+    if result.exit_code == EXIT_TEMPFAIL:
+        click.echo("batchrun: work is left; start a worker again (or let the others finish it)", err=True)
+    sys.exit(result.exit_code)
+
+
+def _on_worker_signal(runner: Worker, signum: int) -> None:
+    """First SIGINT/SIGTERM: stop claiming and drain. Second: exit now (leases expire, other workers take over)."""
+    _signals_seen.append(signum)
+    name = signal.Signals(signum).name
+    if len(_signals_seen) > 1:
+        os._exit(EXIT_TEMPFAIL)
+    click.echo(
+        f"batchrun: {name}: finishing requests in flight (up to {runner.grace_seconds:g} s); send again to stop at once",
+        err=True,
+    )
+    runner.request_stop("signal", f"stopped by {name}")
 
 
 @main.command()

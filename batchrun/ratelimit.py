@@ -14,6 +14,7 @@ import asyncio
 import random
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 DEFAULT_PAUSE_S = 1.0
 DECREASE_EVERY_S = 1.0
@@ -84,6 +85,13 @@ class AdaptiveConcurrency:
 
     def release(self, n: int = 1) -> None:
         self.in_flight -= n
+        self._wake()
+
+    def set_limit(self, limit: int) -> None:
+        """A new hard cap (a worker shares its concurrency among its jobs); requests above it finish first."""
+        self.limit = max(1, limit)
+        self.window = min(self.window, float(self.limit))
+        self.threshold = min(self.threshold, float(self.limit))
         self._wake()
 
     def _wake(self) -> None:
@@ -167,6 +175,65 @@ class TokenBucket:
     def recover(self) -> None:
         if self.rate < self.full_rate:
             self.rate = min(self.full_rate, self.rate * 1.01)
+
+
+class SharedTokenBucket:
+    """A job-wide budget per minute kept in the ledger, shared by every process working the job.
+
+    This process reserves the budget in small chunks (``chunk_seconds`` of the
+    job's rate per database round trip) through ``reserve``, which takes an
+    amount from the job's bucket row and says how long until all of it is paid
+    for (the row may go into debt: reservations queue up). Reserved budget is
+    spent in order, each part once it is paid for, so the pace is smooth, not
+    a burst per chunk. After a 429 each request costs this process more of the
+    shared budget (``slow_down``), easing back as answers come back clean. Same
+    interface as :class:`TokenBucket`.
+    """
+
+    def __init__(
+        self,
+        per_minute: float,
+        reserve: Callable[[float], Awaitable[float]],
+        *,
+        chunk_seconds: float = 0.2,
+        burst_seconds: float = 0.05,
+        safety: float = 0.985,
+    ) -> None:
+        self.per_minute = per_minute
+        self.rate = per_minute / 60.0 * safety  # per second, job-wide
+        self.chunk = max(1.0, self.rate * chunk_seconds)
+        self.capacity = max(1.0, self.rate * burst_seconds)  # the bucket row's size: the job's burst
+        self.local = 0.0  # reserved, not spent yet
+        self.factor = 1.0
+        self._paid_until = 0.0  # monotonic time by which everything reserved so far is paid for
+        self._reserve = reserve
+        self._lock = asyncio.Lock()
+
+    async def take(self, amount: float = 1.0) -> None:
+        """Wait until ``amount`` may be spent, then spend it (first come, first served)."""
+        cost = amount * self.factor
+        async with self._lock:
+            if self.local < cost:
+                need = max(self.chunk, cost - self.local)
+                wait = await self._reserve(need)
+                self._paid_until = time.monotonic() + wait
+                self.local += need
+            # What is left behind this take is paid for last, at the job's rate.
+            self.local -= cost
+            delay = self._paid_until - max(0.0, self.local) / self.rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+    def settle(self, estimated: float, actual: float) -> None:
+        """The request cost ``actual``, not ``estimated``: the difference is kept (or owed) locally."""
+        self.local += (estimated - actual) * self.factor
+
+    def slow_down(self) -> None:
+        self.factor = min(4.0, self.factor * 1.25)
+
+    def recover(self) -> None:
+        if self.factor > 1.0:
+            self.factor = max(1.0, self.factor / 1.01)
 
 
 def parse_reset(value: str | None) -> float | None:

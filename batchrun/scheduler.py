@@ -13,7 +13,12 @@ One asyncio loop runs three things:
   heartbeat and leases.
 
 The ledger is synchronous; its calls run on one dedicated thread so the loop
-never blocks on SQLite and the ledger sees one writer per process.
+never blocks on SQLite and the ledger sees one writer per process. On
+PostgreSQL a call cut by a database restart is retried for up to
+``RunOptions.ledger_retry_seconds``: answers that arrive meanwhile wait in
+memory (each holding its slot, so at most the concurrency) and are committed
+once the database is back. On PostgreSQL the job's ``rpm``/``tpm`` are one
+budget for all its runs, kept in the ledger (:class:`SharedTokenBucket`).
 
 Stopping: :meth:`JobRunner.request_stop` stops claiming; unstarted items go
 back at once, in-flight requests get ``grace_seconds`` to finish, anything
@@ -49,10 +54,11 @@ from batchrun.errors import (
     RetryableError,
 )
 from batchrun.ledger import AttemptRecord, ClaimedItem, ItemState, JobRecord, Ledger, Outcome
+from batchrun.ledger.reconnect import ride_out
 from batchrun.providers import Provider, Reply, make_client, send
 from batchrun.providers.base import RateLimits
 from batchrun.pricing import Price, price_for
-from batchrun.ratelimit import AdaptiveConcurrency, TokenBucket
+from batchrun.ratelimit import AdaptiveConcurrency, SharedTokenBucket, TokenBucket
 from batchrun.spec import JobSpec
 from batchrun.validate import OutputValidator, feedback
 
@@ -82,6 +88,8 @@ class RunOptions:
     heartbeat_interval: float = 10.0
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
+    lease_seconds: float | None = None  # None: the spec's; how soon a killed run's items come back
+    ledger_retry_seconds: float = 180.0  # PostgreSQL: ride out a database restart this long
 
 
 @dataclass
@@ -176,8 +184,11 @@ class JobRunner:
         self.validator = OutputValidator(spec.output.schema) if spec.output.schema is not None else None
         self.price = spec.price()
         self._model_prices: dict[str, Price | None] = {}
-        self.request_budget = TokenBucket(spec.run.rpm) if spec.run.rpm > 0 else None
-        self.token_budget = TokenBucket(spec.run.tpm) if spec.run.tpm > 0 else None
+        self.lease_seconds = self.options.lease_seconds or spec.run.lease_seconds
+        self._heartbeat_interval = min(self.options.heartbeat_interval, self.lease_seconds / 4)
+        self._bucket_db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-bucket")
+        self.request_budget = self._budget("requests", spec.run.rpm)
+        self.token_budget = self._budget("tokens", spec.run.tpm)
         self._budgets = [b for b in (self.request_budget, self.token_budget) if b is not None]
         budget_at = budget_price(spec)  # SpecError here, before anything is sent, if a budget has no price
         self.spend_budget = SpendBudget(spec.run.budget_usd, budget_at) if budget_at is not None else None
@@ -216,8 +227,31 @@ class JobRunner:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    def set_concurrency(self, limit: int) -> None:
+        """A new cap on requests in flight (a worker sharing its slots among jobs); never above the spec's."""
+        self.controller.set_limit(min(limit, self.spec.run.concurrency))
+
     async def _ledger(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
+        return await self._on_thread(self._db, fn, *args)
+
+    async def _on_thread(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        retry_for = 0.0 if self.ledger.is_sqlite else self.options.ledger_retry_seconds
+        return await ride_out(
+            lambda: loop.run_in_executor(pool, fn, *args), for_seconds=retry_for, what=getattr(fn, "__name__", "ledger")
+        )
+
+    def _budget(self, kind: str, per_minute: float) -> TokenBucket | SharedTokenBucket | None:
+        """The run's budget: the job's shared one on PostgreSQL (several workers), else this process's own."""
+        if per_minute <= 0:
+            return None
+        if self.ledger.is_sqlite:
+            return TokenBucket(per_minute)
+
+        async def reserve(amount: float) -> float:
+            return await self._on_thread(self._bucket_db, self.ledger.take_rate_budget, self.job.id, kind, amount)
+
+        return SharedTokenBucket(per_minute, reserve)
 
     # -- the run ------------------------------------------------------------
 
@@ -227,6 +261,9 @@ class JobRunner:
             self.run_id = await self._ledger(
                 lambda: self.ledger.start_run(self.job.id, self.options.command, exclusive=self.options.exclusive)
             )
+            for kind, budget in (("requests", self.request_budget), ("tokens", self.token_budget)):
+                if isinstance(budget, SharedTokenBucket):
+                    await self._ledger(self.ledger.set_rate_budget, self.job.id, kind, budget.rate, budget.capacity)
             if self.options.exclusive:
                 orphans = await self._ledger(self.ledger.requeue_orphans, self.job.id, self.run_id)
             else:
@@ -272,6 +309,7 @@ class JobRunner:
             ) from exc
         finally:
             self._db.shutdown(wait=True)
+            self._bucket_db.shutdown(wait=True)
         if self._crash is not None:
             raise self._crash
         return RunResult(self.run_id, self._stop_reason, self._stop_message)
@@ -289,9 +327,7 @@ class JobRunner:
         try:
             while not self.stopping and not writer.done():
                 if not queue:
-                    claimed = await self._ledger(
-                        self.ledger.claim, self.job.id, self.run_id, batch, self.spec.run.lease_seconds
-                    )
+                    claimed = await self._ledger(self.ledger.claim, self.job.id, self.run_id, batch, self.lease_seconds)
                     if not claimed:
                         if not active:
                             return
@@ -647,8 +683,8 @@ class JobRunner:
                 await self._ledger(self.ledger.record, self.run_id, outcomes, attempts)
             if held:
                 self.controller.release(held)
-            if time.monotonic() - last_beat >= self.options.heartbeat_interval:
-                await self._ledger(self.ledger.heartbeat, self.job.id, self.run_id, self.spec.run.lease_seconds)
+            if time.monotonic() - last_beat >= self._heartbeat_interval:
+                await self._ledger(self.ledger.heartbeat, self.job.id, self.run_id, self.lease_seconds)
                 last_beat = time.monotonic()
             if self._writer_done and not self._outcomes and not self._attempts:
                 return

@@ -27,7 +27,7 @@ def pg_url() -> Iterator[str]:
     if not PG_URL:
         pytest.skip("set BATCHRUN_TEST_PG to a PostgreSQL URL to run PostgreSQL tests")
     schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL)
+    admin = create_engine(PG_URL, pool_pre_ping=True)  # survives a PostgreSQL restart in a test
     with admin.begin() as conn:
         conn.execute(text(f"CREATE SCHEMA {schema}"))
     try:

@@ -1,4 +1,4 @@
-"""The ledger schema: jobs, items, attempts, runs and exports.
+"""The ledger schema: jobs, items, attempts, runs, exports and rate buckets.
 
 Times are UNIX seconds as floats: portable between SQLite and PostgreSQL and
 cheap to compare on the hot path.
@@ -143,3 +143,21 @@ class Export(Base):
     sha256: Mapped[str] = mapped_column(String(64), index=True)
     lines: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[float] = mapped_column(Float)
+
+
+class RateBucket(Base):
+    """A job's requests- or tokens-per-minute budget, shared by all its runs (PostgreSQL workers).
+
+    A token bucket that may go into debt: a take subtracts what it asks for and
+    the taker waits ``-level / rate`` seconds when the level is negative. Times
+    are the database's clock, so hosts with skewed clocks share it fairly.
+    """
+
+    __tablename__ = "rate_buckets"
+
+    job_id: Mapped[int] = mapped_column(BigId, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # "requests" or "tokens"
+    level: Mapped[float] = mapped_column(Float)
+    rate: Mapped[float] = mapped_column(Float)  # per second
+    capacity: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)

@@ -1,0 +1,86 @@
+"""Riding out a database restart: which errors mean "the connection went", and retrying them.
+
+PostgreSQL restarts (failover, upgrade, ``pg_ctlcluster restart``) break every open
+connection; the pool's pre-ping replaces dead connections at checkout, and a call
+that was cut mid-way is retried whole (each Ledger method is one transaction that
+rolled back). SQLite errors are local (disk full, file removed): retrying them
+cannot help, so only PostgreSQL ledgers retry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_delay, wait_exponential, wait_random
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+# SQLSTATEs of a server going away or not there yet: admin_shutdown (a restart),
+# crash_shutdown, cannot_connect_now ("the database system is starting up").
+_GONE_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+
+
+def is_disconnect(exc: BaseException) -> bool:
+    """The database went away or cannot be reached right now (worth retrying).
+
+    SQLAlchemy marks a connection lost mid-use (``connection_invalidated``); a failure to
+    connect is psycopg's OperationalError without a SQLSTATE (refused, reset, timed out),
+    a connection exception (class 08) or one of the shutdown/start-up states. Anything
+    else (a constraint, a full disk, a bug) is not retried: it would fail again.
+    """
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    if not isinstance(exc, (OperationalError, InterfaceError)):
+        return False
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - PostgreSQL ledgers need it
+        return False
+    orig = exc.orig
+    if not isinstance(orig, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return False
+    sqlstate = orig.sqlstate
+    return sqlstate is None or sqlstate.startswith("08") or sqlstate in _GONE_SQLSTATES
+
+
+async def ride_out(call: Callable[[], Awaitable[T]], *, for_seconds: float, what: str) -> T:
+    """``await call()``, retried with backoff while the database is unreachable, for at most ``for_seconds``.
+
+    The last error is raised when the time is up (``reraise``); any other error at once.
+    """
+    if for_seconds <= 0:
+        return await call()
+    started = time.monotonic()
+
+    def note(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        level = logging.WARNING if state.attempt_number in (1, 10) or state.attempt_number % 30 == 0 else logging.DEBUG
+        log.log(
+            level,
+            "ledger unreachable during %s (%s); retrying for up to %.0f s more",
+            what, type(exc).__name__, max(0.0, for_seconds - (time.monotonic() - started)),
+        )
+
+    retrying = AsyncRetrying(
+        stop=stop_after_delay(for_seconds),
+        wait=wait_exponential(multiplier=0.1, max=5.0) + wait_random(0, 0.25),
+        retry=retry_if_exception(is_disconnect),
+        before_sleep=note,
+        reraise=True,
+    )
+    async for attempt in retrying:
+        with attempt:
+            result = await call()
+        outcome = attempt.retry_state.outcome
+        if outcome is not None and outcome.failed:
+            continue  # tenacity decides: sleep and try again, or re-raise
+        if attempt.retry_state.attempt_number > 1:
+            log.warning("ledger reachable again after %.1f s (%s)", time.monotonic() - started, what)
+        return result
+    raise AssertionError("unreachable: tenacity re-raises the last error")
