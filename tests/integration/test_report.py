@@ -556,7 +556,7 @@ def test_status_reports_time_to_first_token_of_a_streamed_job(
     tmp_path: Path, db_url: str, ledger: Ledger, write_jsonl: Callable[..., Path]
 ) -> None:
     """TTFT percentiles come from streamed answers: at least the server's latency, below the total."""
-    faults = Faults(seed=5, latency_s=0.03, stream_chunk_delay_s=0.004)
+    faults = Faults(seed=5, latency_s=0.03, stream_chunk_delay_s=0.03)
     with FakeOpenAIServer(faults) as streaming:
         spec = make_spec(tmp_path, streaming, stream=True)
         job_id = submit(ledger, spec, write_jsonl(records(40)))
@@ -567,5 +567,5 @@ def test_status_reports_time_to_first_token_of_a_streamed_job(
     ttft, total = status["ttft_ms"], status["latency_ms"]
     assert ttft["count"] == 40
     assert 30 - CLOCK_SLACK_MS <= ttft["p50"] <= ttft["p99"] <= 30 + LATENCY_SLACK_MS
-    # the rest of the answer came in chunks after the first token
-    assert total["p50"] > ttft["p50"] + 4
+    # the rest of the answer came in chunks, the next one 30 ms after the first token
+    assert total["p50"] >= ttft["p50"] + 25
