@@ -219,6 +219,11 @@ def render_html(data: dict[str, Any]) -> str:
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_at"]))),
         ("items", f"{data['total']:,} total, {data['finished']:,} finished" + (" (done)" if data["done"] else "")),
         ("states", "  ".join(f"{k} {v:,}" for k, v in counts.items() if v) or "no items"),
+        *(
+            [("reused", f"{data['cached']:,} succeeded from the response cache (no request, no cost)")]
+            if data.get("cached")
+            else []
+        ),
         ("requests", f"{data['requests']:,} ({data['failed_requests']:,} failed)"),
         ("throughput", f"{fmt_rate(data['throughput_per_s'])} over {fmt_seconds(data['elapsed_s'])}"),
         ("eta", fmt_seconds(data["eta_s"])),

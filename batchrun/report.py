@@ -71,6 +71,7 @@ def job_status(ledger: Ledger, job_id: int) -> dict[str, Any]:
 def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Distribution], AttemptTotals]:
     job = ledger.get_job(job_id)
     counts = ledger.counts(job_id)
+    cached = ledger.cached_count(job_id)
     totals = ledger.attempt_totals(job_id)
     by_class = ledger.errors_by_class(job_id)
     per_item = ledger.requests_per_item(job_id)
@@ -78,9 +79,12 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
     finished = sum(counts[s] for s in ItemState.FINAL)
     first, last = totals.first_started_at, totals.last_started_at
     elapsed = (last - first) if first and last and last > first else None
-    throughput = counts[ItemState.SUCCEEDED] / elapsed if elapsed else None
+    # Reused answers (the response cache) cost no request: they count neither as
+    # throughput nor as items the cost and error rate are spread over.
+    answered = counts[ItemState.SUCCEEDED] - cached
+    throughput = answered / elapsed if elapsed else None
     remaining = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
-    worked = counts[ItemState.SUCCEEDED] + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
+    worked = answered + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
     histogram = {"0": total - sum(per_item.values())} | {str(n): per_item[n] for n in sorted(per_item)}
     dists = {m: ledger.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
     data = {
@@ -94,6 +98,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "finished": finished,
         "done": remaining == 0 and job.ingest_done,
         "counts": counts,
+        "cached": cached,  # succeeded items whose answer was reused from an earlier request (no request, no cost)
         "requests": totals.requests,
         "failed_requests": totals.requests - totals.clean,
         "tokens": {"input": totals.input_tokens, "output": totals.output_tokens, "cached": totals.cached_tokens},
@@ -276,6 +281,10 @@ def status_lines(data: dict[str, Any]) -> list[str]:
         f"  model     {data['model'] or '(as in each input line)'} at {data['base_url']}",
         f"  items     {data['total']} total, {data['finished']} finished" + (" (done)" if data["done"] else ""),
         "  states    " + "  ".join(f"{k} {v}" for k, v in counts.items()),
+    ]
+    if data.get("cached"):
+        lines.append(f"  reused    {data['cached']} succeeded from the response cache (no request, no cost)")
+    lines += [
         f"  requests  {data['requests']} ({data['failed_requests']} failed)",
         f"  tokens    {tokens['input']} in, {tokens['output']} out, {tokens['cached']} cached",
         f"  cost      {fmt_money(data['cost_usd'])}" + (
@@ -385,6 +394,8 @@ def report_tables(data: dict[str, Any]) -> list[Table]:
         ("cost", f"{fmt_money(data['cost_usd'])} ({fmt_money(data['cost_per_1k_items'])} per 1,000 items)"),
     ):
         overview.add_row(key, value)
+        if key == "states" and data.get("cached"):
+            overview.add_row("reused", f"{data['cached']:,} succeeded from the response cache (no request, no cost)")
 
     timing = _table("Timing", "", "count", *(f"p{p}" for p in PERCENTILES), "mean", "max", right=range(1, 7))
     for measure, label in MEASURES.items():
