@@ -335,9 +335,10 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
     --base-url is required.
 
     An item whose request (same API, URL and body) already succeeded in any
-    job of the ledger is not sent: the answer is reused at no cost and marked
-    "cached" in the results (--no-cache sends everything). So yesterday's file
-    plus new records, submitted tonight, only pays for the new records.
+    job of the ledger is not sent: the response cache reuses its answer at no
+    cost, marked "cached" in the results (--no-cache sends everything). So
+    yesterday's file plus new records, submitted tonight, pays only for the
+    new records.
 
     \b
     Examples:
