@@ -110,6 +110,12 @@ class Item(Base):
             sqlite_where=text("state = 'succeeded'"),
             postgresql_where=text("state = 'succeeded'"),
         ),
+        Index(
+            "ix_items_reused",
+            "job_id",
+            sqlite_where=text("cached_from IS NOT NULL"),
+            postgresql_where=text("cached_from IS NOT NULL"),
+        ),
         Index("ix_items_job_line", "job_id", "line"),
         # Only rejected lines may repeat a custom_id (a duplicate is itself rejected).
         Index(

@@ -3,8 +3,9 @@
 ``items.request_hash`` is the key of the item's first request (provider kind,
 URL, canonical body; never a header), stored when the item is answered.
 ``items.cached_from`` is the id of the item whose answer was reused (null for
-an answer this item paid for). The partial index serves the one lookup the
-cache makes: succeeded items by key.
+an answer this item paid for). Two small partial indexes: succeeded items by
+key (the cache's one lookup), and reused items by job (``status`` counts them
+without reading every row).
 
 Revision ID: 0005
 Revises: 0004
@@ -33,9 +34,17 @@ def upgrade() -> None:
         sqlite_where=sa.text("state = 'succeeded'"),
         postgresql_where=sa.text("state = 'succeeded'"),
     )
+    op.create_index(
+        "ix_items_reused",
+        "items",
+        ["job_id"],
+        sqlite_where=sa.text("cached_from IS NOT NULL"),
+        postgresql_where=sa.text("cached_from IS NOT NULL"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_index("ix_items_reused", table_name="items")
     op.drop_index("ix_items_answered_by_request", table_name="items")
     with op.batch_alter_table("items") as batch:
         batch.drop_column("cached_from")
