@@ -91,6 +91,9 @@ def override_options(fn: F) -> F:
                          help="The job's total spend cap in USD (overrides [run] budget_usd). Each request "
                          "reserves its worst case before it is sent; at the cap the run stops with exit 4 "
                          "(resume with a larger total)."),
+            click.option("--no-cache", "no_cache", is_flag=True,
+                         help="Send every item, even one whose request (same API, URL and body) another job "
+                         "already got an answer to (overrides [run] cache). Answers are still filed for later runs."),
             click.option("--transport", type=click.Choice(["aiohttp", "httpx"]), default="aiohttp", hidden=True),
             click.option("--quiet", "-q", is_flag=True, help="No progress display on stderr."),
             click.option("--log-file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
@@ -115,6 +118,7 @@ def _overrides(kw: dict[str, Any]) -> Overrides:
         max_runtime=kw.get("max_runtime"),
         provider_kind=kw.get("provider_kind"),
         budget_usd=kw.get("budget_usd"),
+        cache=False if kw.get("no_cache") else None,
     )
 
 
@@ -290,6 +294,7 @@ def _finish(
     if output and summary.exit_code in (EXIT_OK, EXIT_SOME_FAILED):
         exported = export_job(ledger, summary.job_id, output, fmt=fmt, errors=errors, force=force)
     counts = summary.counts
+    cached = ledger.cached_count(summary.job_id)
     if as_json:
         click.echo(
             orjson.dumps(
@@ -297,6 +302,7 @@ def _finish(
                     "job_id": summary.job_id,
                     "total": sum(counts.values()),
                     "counts": counts,
+                    "cached": cached,
                     "exit_code": summary.exit_code,
                     "stop_reason": summary.result.stop_reason,
                     "output": str(exported.path) if exported else None,
@@ -305,7 +311,10 @@ def _finish(
             ).decode()
         )
     else:
-        click.echo(" ".join(f"{state}={n}" for state, n in counts.items() if n) or "no items")
+        click.echo(
+            (" ".join(f"{state}={n}" for state, n in counts.items() if n) or "no items")
+            + (f" ({cached} succeeded from the response cache)" if cached else "")
+        )
         if exported:
             click.echo(f"output: {exported.path} ({exported.lines} lines)")
             if exported.errors_path:
@@ -354,6 +363,12 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
     default; Anthropic Message Batches lines with --provider anthropic) and
     --base-url is required.
 
+    An item whose request (same API, URL and body) already succeeded in any
+    job of the ledger is not sent: the response cache reuses its answer at no
+    cost, marked "cached" in the results (--no-cache sends everything). So
+    yesterday's file plus new records, submitted tonight, pays only for the
+    new records.
+
     \b
     Examples:
       batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --output out.jsonl
@@ -361,6 +376,7 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
       batchrun submit --input claude.jsonl --provider anthropic --base-url https://api.anthropic.com
       batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --dry-run
       batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --budget-usd 5
+      batchrun submit jobs/summarize.toml --input day2.jsonl       # day 1's records reused
     """
     from batchrun.jobs import prepare_job
 

@@ -62,11 +62,14 @@ def _usage(row: ItemRow) -> dict[str, Any] | None:
 
 
 def results_line(row: ItemRow, *, structured: bool = False) -> dict[str, Any]:
-    """The ``results`` format: one object per item; ``output`` is parsed JSON for a job with a schema."""
+    """The ``results`` format: one object per item; ``output`` is parsed JSON for a job with a schema.
+
+    A line whose answer was reused from an earlier request (the response cache) also has ``"cached": true``.
+    """
     output: Any = None
     if row.state == ItemState.SUCCEEDED:
         output = orjson.loads(row.parsed) if structured and row.parsed is not None else row.output
-    return {
+    line = {
         "custom_id": row.custom_id,
         "status": row.state,
         "output": output,
@@ -75,6 +78,10 @@ def results_line(row: ItemRow, *, structured: bool = False) -> dict[str, Any]:
         "latency_ms": round(row.latency_ms, 3) if row.latency_ms is not None else None,
         "error": None if row.state == ItemState.SUCCEEDED else _error(row),
     }
+    if row.cached_from is not None and row.state == ItemState.SUCCEEDED:
+        # A reused answer (the response cache): usage is the answer's, its cost_usd 0.
+        line["cached"] = True
+    return line
 
 
 def openai_batch_line(job_id: int, row: ItemRow) -> dict[str, Any]:

@@ -71,6 +71,7 @@ def job_status(ledger: Ledger, job_id: int) -> dict[str, Any]:
 def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Distribution], AttemptTotals]:
     job = ledger.get_job(job_id)
     counts = ledger.counts(job_id)
+    cached = ledger.cached_count(job_id)
     totals = ledger.attempt_totals(job_id)
     by_class = ledger.errors_by_class(job_id)
     per_item = ledger.requests_per_item(job_id)
@@ -78,9 +79,12 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
     finished = sum(counts[s] for s in ItemState.FINAL)
     first, last = totals.first_started_at, totals.last_started_at
     elapsed = (last - first) if first and last and last > first else None
-    throughput = counts[ItemState.SUCCEEDED] / elapsed if elapsed else None
+    # Reused answers (the response cache) cost no request: they count neither as
+    # throughput nor as items the cost and error rate are spread over.
+    answered = counts[ItemState.SUCCEEDED] - cached
+    throughput = answered / elapsed if elapsed else None
     remaining = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
-    worked = counts[ItemState.SUCCEEDED] + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
+    worked = answered + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
     histogram = {"0": total - sum(per_item.values())} | {str(n): per_item[n] for n in sorted(per_item)}
     dists = {m: ledger.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
     data = {
@@ -94,6 +98,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "finished": finished,
         "done": remaining == 0 and job.ingest_done,
         "counts": counts,
+        "cached": cached,  # succeeded items whose answer was reused from an earlier request (no request, no cost)
         "requests": totals.requests,
         "failed_requests": totals.requests - totals.clean,
         "tokens": {"input": totals.input_tokens, "output": totals.output_tokens, "cached": totals.cached_tokens},
@@ -276,6 +281,10 @@ def status_lines(data: dict[str, Any]) -> list[str]:
         f"  model     {data['model'] or '(as in each input line)'} at {data['base_url']}",
         f"  items     {data['total']} total, {data['finished']} finished" + (" (done)" if data["done"] else ""),
         "  states    " + "  ".join(f"{k} {v}" for k, v in counts.items()),
+    ]
+    if data.get("cached"):
+        lines.append(f"  reused    {data['cached']} succeeded from the response cache (no request, no cost)")
+    lines += [
         f"  requests  {data['requests']} ({data['failed_requests']} failed)",
         f"  tokens    {tokens['input']} in, {tokens['output']} out, {tokens['cached']} cached",
         f"  cost      {fmt_money(data['cost_usd'])}" + (
@@ -410,6 +419,11 @@ def overview_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_at"]))),
         ("items", f"{data['total']:,} total, {data['finished']:,} finished" + (" (done)" if data["done"] else "")),
         ("states", "  ".join(f"{k} {v:,}" for k, v in counts.items() if v) or "no items"),
+        *(
+            [("reused", f"{data['cached']:,} succeeded from the response cache (no request, no cost)")]
+            if data.get("cached")
+            else []
+        ),
         ("requests", f"{data['requests']:,} ({data['failed_requests']:,} failed)"),
         ("error rate", fmt_pct(data["error_rate"]) + " of items sent (failed or invalid)"),
         ("throughput", fmt_rate(data["throughput_per_s"]) + f" over {fmt_seconds(data['elapsed_s'])}"),

@@ -2,8 +2,10 @@
 
 One asyncio loop runs three things:
 
-- the dispatcher claims items in batches and starts one task per item, with
-  at most ``2 × concurrency`` item tasks alive;
+- the dispatcher claims items in batches, finishes at once those whose request
+  was already answered in the ledger (the response cache: one lookup per
+  batch, no request, no cost), and starts one task per other item, with at
+  most ``2 × concurrency`` item tasks alive;
 - each item task sends attempts through tenacity; every attempt takes a slot
   of the :class:`AdaptiveConcurrency` controller, so backoff sleeps hold none;
   a clean answer keeps its slot until it is committed, so answers paid for but
@@ -44,6 +46,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wai
 from tenacity.wait import wait_base
 
 from batchrun.budget import SpendBudget, budget_price, settled_cost
+from batchrun.cache import CachedAnswer, cache_scope, request_key
 from batchrun.errors import (
     AuthError,
     BudgetExceededError,
@@ -56,7 +59,7 @@ from batchrun.errors import (
 from batchrun.ledger import AttemptRecord, ClaimedItem, ItemState, JobRecord, Ledger, Outcome
 from batchrun.ledger.reconnect import ride_out
 from batchrun.providers import Provider, Reply, make_client, send
-from batchrun.providers.base import RateLimits
+from batchrun.providers.base import PreparedRequest, RateLimits
 from batchrun.pricing import Price, price_for
 from batchrun.ratelimit import AdaptiveConcurrency, SharedTokenBucket, TokenBucket
 from batchrun.spec import JobSpec
@@ -106,6 +109,7 @@ class RunStats:
     in_flight: int = 0
     window: int = 0
     paused_for: float = 0.0
+    cached: int = 0  # items finished with a reused answer (also counted in done["succeeded"])
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,8 @@ class _ItemWork:
     input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float | None = None  # None until an attempt had a price
+    key: str | None = None  # the response cache's key of the first request
+    first_request: PreparedRequest | None = None  # sent again as is until a re-ask changes the question
 
 
 class JobRunner:
@@ -201,6 +207,7 @@ class JobRunner:
         self._latencies: deque[float] = deque(maxlen=2000)
         self._since_estimate = 0
         self._attempt_timeout = spec.run.timeout
+        self._cache_scope = cache_scope(provider.kind, spec.provider.anthropic_version)
         # Flush often enough that slots held by committed-to-be answers come back quickly.
         self._flush_count = max(8, min(self.options.flush_count, spec.run.concurrency // 2))
         self._wait = _WaitRetryAfter(
@@ -315,7 +322,7 @@ class JobRunner:
         return RunResult(self.run_id, self._stop_reason, self._stop_message)
 
     async def _dispatch(self, writer: asyncio.Task[None]) -> None:
-        queue: deque[ClaimedItem] = deque()
+        queue: deque[_ItemWork] = deque()
         active: set[asyncio.Task[None]] = set()
         max_tasks = 2 * self.spec.run.concurrency
         batch = max(64, min(1000, 2 * self.spec.run.concurrency))
@@ -333,19 +340,23 @@ class JobRunner:
                             return
                         await self._wait_for_wake()
                         continue
-                    queue.extend(claimed)
+                    to_send, hits = await self._ledger(self._look_up, claimed)
+                    queue.extend(to_send)
+                    queue.extend(work for work, answer in hits if not self._finish_cached(work, answer))
+                    continue
                 if len(active) >= max_tasks:
                     await self._wait_for_wake()
                     continue
-                item = queue.popleft()
-                task = asyncio.create_task(self._work(_ItemWork(item, time.monotonic(), counted=item.attempts)))
+                work = queue.popleft()
+                work.ready_at = time.monotonic()
+                task = asyncio.create_task(self._work(work))
                 active.add(task)
                 task.add_done_callback(task_done)
         finally:
             # Unstarted items go back at once; in-flight ones get the grace period.
             if queue:
-                for item in queue:
-                    self._outcomes.append(Outcome(item.id, ItemState.PENDING, item.attempts))
+                for work in queue:
+                    self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.item.attempts))
                 queue.clear()
             if active:
                 done, pending = await asyncio.wait(active, timeout=self.spec.run.grace_seconds)
@@ -353,6 +364,32 @@ class JobRunner:
                     task.cancel()
                 if pending:
                     await asyncio.wait(pending)
+
+    def _look_up(self, claimed: list[ClaimedItem]) -> tuple[list[_ItemWork], list[tuple[_ItemWork, CachedAnswer]]]:
+        """Key each claimed item by its first request; split off those already answered in the ledger.
+
+        Runs on the ledger thread: the hashing and the one lookup query stay off the loop.
+        """
+        works: list[_ItemWork] = []
+        for item in claimed:
+            work = _ItemWork(item, 0.0, counted=item.attempts)
+            try:
+                work.first_request = self.provider.prepare(item.url, item.body, max_tokens=item.max_tokens)
+                work.key = request_key(self._cache_scope, work.first_request)
+            except ValueError:
+                pass  # not sendable as stored: the attempt raises it as it always has
+            works.append(work)
+        if not self.spec.run.cache:
+            return works, []
+        found = self.ledger.find_cached({w.key for w in works if w.key is not None})
+        if not found:
+            return works, []
+        to_send: list[_ItemWork] = []
+        hits: list[tuple[_ItemWork, CachedAnswer]] = []
+        for work in works:
+            answer = found.get(work.key) if work.key is not None else None
+            (to_send.append(work) if answer is None else hits.append((work, answer)))
+        return to_send, hits
 
     async def _wait_for_wake(self) -> None:
         """Until an item task ends, a stop is requested or the writer dies."""
@@ -437,9 +474,12 @@ class JobRunner:
     async def _attempt(self, work: _ItemWork) -> Reply:
         if self.stopping:
             raise _Stopped
-        request = self.provider.prepare(
-            work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
-        )
+        if work.first_request is not None and not work.followups:
+            request = work.first_request
+        else:
+            request = self.provider.prepare(
+                work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
+            )
         spend = self.spend_budget
         estimate = self.provider.estimate_tokens(request) if self.token_budget or spend else 0
         if not await self.controller.acquire():
@@ -634,7 +674,9 @@ class JobRunner:
         invalid: OutputInvalidError | None = None,
         parsed: Any = _NO_VALUE,
     ) -> None:
-        outcome = Outcome(item_id=work.item.id, state=state, attempts=work.counted, finished_at=time.time())
+        outcome = Outcome(
+            item_id=work.item.id, state=state, attempts=work.counted, finished_at=time.time(), request_hash=work.key
+        )
         if reply is not None:
             outcome.status_code = reply.status_code
             outcome.response = reply.body
@@ -659,6 +701,43 @@ class JobRunner:
         self._outcomes.append(outcome)
         self.stats.done[state] += 1
         self._maybe_flush()
+
+    def _finish_cached(self, work: _ItemWork, answer: CachedAnswer) -> bool:
+        """Finish an item with an answer the ledger already holds: succeeded, no request, no cost.
+
+        A structured job checks the answer with its own validator (and parses it
+        afresh); False if it does not pass, and the item is sent instead. No attempt row is
+        written: attempts are HTTP requests, and latency or TTFT figures must
+        not count answers that were never asked for.
+        """
+        parsed = answer.parsed
+        if self.validator is not None:
+            try:
+                parsed = orjson.dumps(self.validator.check(answer.output).parsed).decode()
+            except OutputInvalidError:
+                return False
+        self._outcomes.append(
+            Outcome(
+                item_id=work.item.id,
+                state=ItemState.SUCCEEDED,
+                attempts=work.counted,
+                status_code=answer.status_code,
+                response=answer.response,
+                output=answer.output,
+                parsed=parsed,
+                request_id=answer.request_id,
+                input_tokens=answer.input_tokens,
+                output_tokens=answer.output_tokens,
+                finished_at=time.time(),
+                cost_usd=0.0,
+                request_hash=work.key,
+                cached_from=answer.item_id,
+            )
+        )
+        self.stats.done[ItemState.SUCCEEDED] += 1
+        self.stats.cached += 1
+        self._maybe_flush()
+        return True
 
     def _maybe_flush(self) -> None:
         if len(self._outcomes) >= self._flush_count or self._held_slots:

@@ -131,6 +131,9 @@ class RunSpec:
     # The job's total spend cap in USD (exit 4 when the next request's worst case does not fit);
     # 0 = no budget. Written in a spec or given as --budget-usd it must be > 0.
     budget_usd: float = 0.0
+    # Reuse an answer any job of the ledger already got for the same request (batchrun.cache);
+    # false (or --no-cache): send every item. Request keys are recorded either way.
+    cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ class Overrides:
     tpm: float | None = None
     max_runtime: float | None = None
     budget_usd: float | None = None
+    cache: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -233,7 +237,7 @@ class JobSpec:
         run = self.run
         changes = {
             k: getattr(overrides, k)
-            for k in ("concurrency", "max_attempts", "timeout", "rpm", "tpm", "max_runtime", "budget_usd")
+            for k in ("concurrency", "max_attempts", "timeout", "rpm", "tpm", "max_runtime", "budget_usd", "cache")
             if getattr(overrides, k) is not None
         }
         if overrides.budget_usd is not None:

@@ -96,9 +96,26 @@ class Item(Base):
     latency_ms: Mapped[float | None] = mapped_column(Float)
     finished_at: Mapped[float | None] = mapped_column(Float)
     cost_usd: Mapped[float | None] = mapped_column(Float)
+    # The response cache: the key of the item's first request (batchrun.cache), and the
+    # item whose answer was reused for this one (null: this item's answer was paid for).
+    request_hash: Mapped[str | None] = mapped_column(String(64))
+    cached_from: Mapped[int | None] = mapped_column(BigId)
 
     __table_args__ = (
         Index("ix_items_claim", "job_id", "state", "id"),
+        Index(
+            "ix_items_answered_by_request",
+            "request_hash",
+            "id",
+            sqlite_where=text("state = 'succeeded'"),
+            postgresql_where=text("state = 'succeeded'"),
+        ),
+        Index(
+            "ix_items_reused",
+            "job_id",
+            sqlite_where=text("cached_from IS NOT NULL"),
+            postgresql_where=text("cached_from IS NOT NULL"),
+        ),
         Index("ix_items_job_line", "job_id", "line"),
         # Only rejected lines may repeat a custom_id (a duplicate is itself rejected).
         Index(

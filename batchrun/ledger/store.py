@@ -9,7 +9,7 @@ import os
 import socket
 from collections import Counter
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -38,6 +38,7 @@ from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
+from batchrun.cache import CachedAnswer
 from batchrun.errors import JobLockedError, JobNotFoundError
 from batchrun.ledger.engine import WRITE_OPTION, open_engine
 from batchrun.ledger.models import Attempt, Export, Item, ItemState, Job, RateBucket, Run
@@ -107,6 +108,8 @@ class Outcome:
     latency_ms: float | None = None
     finished_at: float | None = None
     cost_usd: float | None = None
+    request_hash: str | None = None  # the response cache's key of the item's first request
+    cached_from: int | None = None  # the item whose answer was reused (no request was sent)
 
 
 @dataclass
@@ -152,6 +155,7 @@ class ItemRow:
     validation_errors: str | None = None
     item_id: int = 0
     cost_usd: float | None = None
+    cached_from: int | None = None  # the answer was reused from this item (the response cache)
 
 
 @dataclass(frozen=True)
@@ -220,7 +224,8 @@ _SQLITE_INSERT_ITEMS = (
 # What a final outcome writes, and what going back to pending keeps of the last attempt.
 _FINAL_COLUMNS = (
     "state", "status_code", "response", "output", "parsed", "validation_errors", "request_id", "error_class",
-    "error_message", "input_tokens", "output_tokens", "latency_ms", "finished_at", "cost_usd",
+    "error_message", "input_tokens", "output_tokens", "latency_ms", "finished_at", "cost_usd", "request_hash",
+    "cached_from",
 )
 _BACK_COLUMNS = ("status_code", "error_class", "error_message")
 _ATTEMPT_COLUMNS = tuple(f.name for f in dataclasses.fields(AttemptRecord) if f.name != "counted")
@@ -740,6 +745,35 @@ class Ledger:
                     _SQLITE_PUT_BACK, [(*(getattr(o, c) for c in _BACK_COLUMNS), o.item_id, run_id) for o in back]
                 )
 
+    def find_cached(self, keys: Collection[str]) -> dict[str, CachedAnswer]:
+        """The newest succeeded answer in any job for each of these request keys (one query).
+
+        A reused answer names the item that paid for it, so copies of copies
+        still point at the original.
+        """
+        if not keys:
+            return {}
+        i = items_t.c
+        # Written out, not bound, so SQLite matches the partial index on succeeded items.
+        succeeded: ColumnElement[str] = literal_column("'succeeded'")
+        newest = (
+            select(func.max(i.id)).where(i.request_hash.in_(list(keys)), i.state == succeeded).group_by(i.request_hash)
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(
+                    i.request_hash, func.coalesce(i.cached_from, i.id), i.status_code, i.response, i.output,
+                    i.parsed, i.request_id, i.input_tokens, i.output_tokens,
+                ).where(i.id.in_(newest.scalar_subquery()))
+            ).all()
+        return {
+            key: CachedAnswer(
+                item_id=int(origin), status_code=status, response=response, output=output, parsed=parsed,
+                request_id=request_id, input_tokens=tokens_in, output_tokens=tokens_out,
+            )
+            for key, origin, status, response, output, parsed, request_id, tokens_in, tokens_out in rows
+        }
+
     def release(self, run_id: str, item_ids: Sequence[int]) -> None:
         """Give leased items back (to pending) untouched."""
         if not item_ids:
@@ -831,6 +865,16 @@ class Ledger:
                 counts[state] = n
         return counts
 
+    def cached_count(self, job_id: int) -> int:
+        """How many of the job's items hold an answer reused from another item (no request sent)."""
+        with self.engine.connect() as conn:
+            return int(
+                conn.execute(
+                    select(func.count()).where(items_t.c.job_id == job_id, items_t.c.cached_from.is_not(None))
+                ).scalar()
+                or 0
+            )
+
     def spent_usd(self, job_id: int) -> float:
         """What the job's attempts have cost so far (the sum of their ``cost_usd``): its budget's spend."""
         return self.attempt_totals(job_id).cost_usd
@@ -914,19 +958,23 @@ class Ledger:
         return {int(b): int(n) for b, n in rows}
 
     def succeeded_span(self, job_id: int) -> tuple[int, float | None, float | None]:
-        """How many items succeeded, and when the first and the last of them finished."""
+        """How many items the API answered (reused answers left out), and when the first and the last finished."""
         with self.engine.connect() as conn:
             n, first, last = conn.execute(
                 select(func.count(), func.min(items_t.c.finished_at), func.max(items_t.c.finished_at)).where(
                     items_t.c.job_id == job_id,
                     items_t.c.state == ItemState.SUCCEEDED,
                     items_t.c.finished_at.is_not(None),
+                    items_t.c.cached_from.is_(None),
                 )
             ).one()
         return int(n), first, last
 
     def succeeded_per_interval(self, job_id: int, start: float, width_s: float) -> dict[int, int]:
-        """Items that succeeded per time bucket ``floor((finished_at - start) / width_s)`` (from ``start`` on)."""
+        """Items the API answered per time bucket ``floor((finished_at - start) / width_s)`` (from ``start`` on).
+
+        Reused answers (the response cache) are left out: they are not throughput.
+        """
         bucket = self._floor_int((items_t.c.finished_at - float(start)) / float(width_s)).label("bucket")
         with self.engine.connect() as conn:
             rows = conn.execute(
@@ -935,6 +983,7 @@ class Ledger:
                     items_t.c.job_id == job_id,
                     items_t.c.state == ItemState.SUCCEEDED,
                     items_t.c.finished_at >= float(start),
+                    items_t.c.cached_from.is_(None),
                 )
                 .group_by(bucket)
             ).all()
@@ -1145,6 +1194,7 @@ class Ledger:
             items_t.c.validation_errors,
             items_t.c.id,
             items_t.c.cost_usd,
+            items_t.c.cached_from,
         ]
         if not self.is_sqlite:
             # One query through a server-side cursor: rows arrive ``chunk`` at a time.

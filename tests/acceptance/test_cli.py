@@ -93,7 +93,9 @@ def test_resubmit_is_idempotent(tmp_path: Path, server: FakeOpenAIServer) -> Non
     assert "carrying on job 1" in again.stderr
     assert len(server.log) == 10  # nothing was sent twice
     forced = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--new")
-    assert forced.stdout.splitlines()[0] == "2" and len(server.log) == 20
+    assert forced.stdout.splitlines()[0] == "2" and len(server.log) == 10  # a new job; the answers are reused
+    fresh = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--new", "--no-cache")
+    assert fresh.stdout.splitlines()[0] == "3" and len(server.log) == 20
 
 
 def test_export_never_clobbers_a_foreign_file(tmp_path: Path, server: FakeOpenAIServer) -> None:

@@ -130,3 +130,20 @@ def test_every_bundled_job_spec_loads_and_renders_its_example_input() -> None:
             example = jobs / "triage.jsonl"  # nightly.toml runs over ticket files like triage's
         stats = check_input(example, RequestBuilder(spec, provider_for(spec, api_key=None, read_key=False)))
         assert stats.rejected == 0 and stats.accepted == stats.lines > 0, (path, stats.rejections)
+
+
+def test_cache_is_on_by_default_off_by_spec_or_flag_and_not_part_of_identity(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, GOOD))
+    assert spec.run.cache is True
+    off = load_spec(write(tmp_path, GOOD + "cache = false\n"))
+    assert off.run.cache is False
+    assert off.identity_hash() == spec.identity_hash()
+    assert spec.with_overrides(Overrides(cache=False)).run.cache is False
+    assert off.with_overrides(Overrides(concurrency=2)).run.cache is False  # no flag: the spec decides
+    stored = spec.to_dict()
+    del stored["run"]["cache"]  # a job stored before the cache existed
+    from batchrun.spec import JobSpec
+
+    assert JobSpec.from_dict(stored).run.cache is True
+    with pytest.raises(SpecError, match="cache"):
+        load_spec(write(tmp_path, GOOD + 'cache = "yes"\n'))

@@ -1,0 +1,75 @@
+"""The response cache: a request already answered in any job of the ledger is reused at no cost.
+
+An item's key is the SHA-256 of
+
+- the API it is sent to: the provider kind (and, for Anthropic, the
+  ``anthropic-version`` it asks for, since that decides the answer's shape),
+- the full request URL (so the base URL counts),
+- the canonical JSON (keys sorted, no whitespace) of the body its *first*
+  attempt sends, exactly as :meth:`Provider.prepare` builds it: model, messages,
+  ``max_tokens``, temperature, the job's structured-output request (schema)
+  included.
+
+Left out on purpose:
+
+- every header, so the API key never influences or enters the key (two runs
+  with different keys share answers);
+- ``stream`` and ``stream_options``: a streamed answer is stored as the body
+  the same request would have had without streaming, so streaming on or off
+  asks the same question;
+- re-asks: an item's answer is filed under its first request even when it
+  took a re-ask to get a valid one, because that request is what the next job
+  will send first.
+
+Only ``succeeded`` items are ever reused; failed and invalid answers never are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import orjson
+
+if TYPE_CHECKING:  # the ledger imports this module; status and export must not load the HTTP stack
+    from batchrun.providers.base import PreparedRequest
+
+KEY_LENGTH = 64  # hex SHA-256, the width of items.request_hash
+STREAM_FIELDS = ("stream", "stream_options")  # how the answer travels, not what is asked
+
+
+@dataclass(frozen=True)
+class CachedAnswer:
+    """A succeeded item's answer, as a later item reuses it."""
+
+    item_id: int  # the item that paid for the answer (never itself a reused one)
+    status_code: int | None
+    response: str | None
+    output: str | None
+    parsed: str | None
+    request_id: str | None
+    input_tokens: int | None
+    output_tokens: int | None
+
+
+def cache_scope(kind: str, anthropic_version: str | None = None) -> str:
+    """The part of the key that names the API: provider kind, plus the Anthropic API version."""
+    return f"{kind} anthropic-version={anthropic_version}" if kind == "anthropic" and anthropic_version else kind
+
+
+def request_key(scope: str, request: PreparedRequest) -> str:
+    """The cache key of a prepared request (see the module docstring); headers never count.
+
+    ValueError if the body is not JSON.
+    """
+    body = orjson.loads(request.content)
+    if isinstance(body, dict):
+        for name in STREAM_FIELDS:
+            body.pop(name, None)
+    digest = hashlib.sha256(scope.encode())
+    digest.update(b"\n")
+    digest.update(request.url.encode())
+    digest.update(b"\n")
+    digest.update(orjson.dumps(body, option=orjson.OPT_SORT_KEYS))
+    return digest.hexdigest()
