@@ -97,7 +97,7 @@ def override_options(fn: F) -> F:
             click.option("--transport", type=click.Choice(["aiohttp", "httpx"]), default="aiohttp", hidden=True),
             click.option("--quiet", "-q", is_flag=True, help="No progress display on stderr."),
             click.option("--log-file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-                         help="Append JSON lines to FILE: every log record and a progress record each interval."),
+                         help="Append JSON lines to FILE: every log record, and (submit/resume) a progress record each interval."),
             click.option("--progress-interval", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
                          metavar="SECONDS", help="How often progress is logged when not on a terminal (and to --log-file)."),
         ]
@@ -837,6 +837,8 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
             "batchrun worker needs a PostgreSQL ledger (--db postgresql+psycopg://... or BATCHRUN_DB); a SQLite "
             "ledger serves one run per job on one machine: use `batchrun submit` / `batchrun resume JOB` there"
         )
+    if kw.get("log_file"):
+        _log_to_file(kw["log_file"])  # log records only: a worker's jobs come and go, progress is `status`
     concurrency = kw.pop("concurrency") or DEFAULT_CONCURRENCY
     max_runtime = kw.pop("max_runtime") or 0.0
     options = WorkerOptions(
