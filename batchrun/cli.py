@@ -190,7 +190,7 @@ def _work(
         def started(runner: JobRunner) -> None:
             nonlocal progress
             for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, _on_signal, runner, signum)
+                loop.add_signal_handler(signum, _on_signal, runner, runner.spec.run.grace_seconds, signum)
             if not quiet or log_file:
                 progress = asyncio.create_task(show_progress(runner, todo, interval=progress_interval, quiet=quiet))
 
@@ -246,15 +246,15 @@ def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
 _signals_seen: list[int] = []
 
 
-def _on_signal(runner: JobRunner, signum: int) -> None:
-    """First SIGINT/SIGTERM: stop claiming and drain. Second: exit now (leases expire, resume reclaims)."""
+def _on_signal(runner: JobRunner | Worker, grace_seconds: float, signum: int) -> None:
+    """First SIGINT/SIGTERM: stop claiming and drain. Second: exit now (leases expire; a resume or
+    another worker takes the items back)."""
     _signals_seen.append(signum)
     name = signal.Signals(signum).name
     if len(_signals_seen) > 1:
         os._exit(EXIT_TEMPFAIL)
     click.echo(
-        f"batchrun: {name}: finishing requests in flight (up to {runner.spec.run.grace_seconds:g} s); "
-        "send again to stop at once",
+        f"batchrun: {name}: finishing requests in flight (up to {grace_seconds:g} s); send again to stop at once",
         err=True,
     )
     runner.request_stop("signal", f"stopped by {name}")
@@ -851,7 +851,7 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
         async def go() -> WorkerResult:
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, _on_worker_signal, runner, signum)
+                loop.add_signal_handler(signum, _on_signal, runner, runner.grace_seconds, signum)
             try:
                 return await runner.run()
             finally:
@@ -869,19 +869,6 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
     if result.exit_code == EXIT_TEMPFAIL:
         click.echo("batchrun: work is left; start a worker again (or let the others finish it)", err=True)
     sys.exit(result.exit_code)
-
-
-def _on_worker_signal(runner: Worker, signum: int) -> None:
-    """First SIGINT/SIGTERM: stop claiming and drain. Second: exit now (leases expire, other workers take over)."""
-    _signals_seen.append(signum)
-    name = signal.Signals(signum).name
-    if len(_signals_seen) > 1:
-        os._exit(EXIT_TEMPFAIL)
-    click.echo(
-        f"batchrun: {name}: finishing requests in flight (up to {runner.grace_seconds:g} s); send again to stop at once",
-        err=True,
-    )
-    runner.request_stop("signal", f"stopped by {name}")
 
 
 @main.command()
