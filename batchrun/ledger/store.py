@@ -293,6 +293,10 @@ class Ledger:
         self.engine = engine
         self.is_sqlite = engine.dialect.name == "sqlite"
         self.url = engine.url.render_as_string(hide_password=True)
+        # SQLite checkpoints the whole WAL and deletes it when the *last* connection to the
+        # file closes: with a connection per write (NullPool) that was every commit. One idle
+        # connection held open keeps the WAL in place; SQLite checkpoints it as it fills.
+        self._keeper = engine.raw_connection() if self.is_sqlite else None
 
     @classmethod
     def open(cls, db: str | os.PathLike[str] | None) -> Ledger:
@@ -300,6 +304,9 @@ class Ledger:
         return cls(open_engine(db))
 
     def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.close()
+            self._keeper = None
         self.engine.dispose()
 
     @contextmanager
