@@ -32,7 +32,7 @@ from batchrun.export import FORMATS, check_target, export_job
 from batchrun.ledger import ItemState, Ledger, default_db_path, resolve_db_url
 from batchrun.redact import RedactingFilter, redact
 from batchrun.report import job_status
-from batchrun.spec import Overrides, load_spec, spec_for_batch_input
+from batchrun.spec import PROVIDER_KINDS, Overrides, load_spec, spec_for_batch_input
 
 if TYPE_CHECKING:
     from batchrun.jobs import DryRun, RunSummary
@@ -71,6 +71,12 @@ db_option = click.option(
     metavar="URL",
     help=f"Ledger: a SQLite file path or a SQLAlchemy URL (postgresql+psycopg://...). "
     f"Default: $BATCHRUN_DB, else {default_db_path()}.",
+)
+
+
+provider_option = click.option(
+    "--provider", "provider_kind", type=click.Choice(list(PROVIDER_KINDS)), default=None,
+    help="Without a SPEC: the API the batch lines are for (default openai).",
 )
 
 
@@ -342,8 +348,7 @@ def _finish(
 @click.option("--new", is_flag=True, help="Always create a new job, even if this spec and input were submitted before.")
 @click.option("--strict", is_flag=True, help="Refuse the whole input if any line is bad (nothing is sent).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (job_id, total, counts, ...) at the end.")
-@click.option("--provider", "provider_kind", type=click.Choice(["openai", "openai-responses", "anthropic"]),
-              default=None, help="Without a SPEC: the API the batch lines are for (default openai).")
+@provider_option
 @click.option("--dry-run", is_flag=True,
               help="Read and render the whole input, print item and rejected counts, a token estimate and a cost "
               "range; send nothing and create no job (the ledger is not opened).")
@@ -757,16 +762,17 @@ def cancel(job: int, db: str | None) -> None:
 
 
 @main.command()
-@click.argument("spec", type=click.Path(dir_okay=False))
+@click.argument("spec", required=False, type=click.Path(dir_okay=False))
 @click.option("--input", "input_path", required=True, type=click.Path(dir_okay=False),
               help="JSONL input holding the record to send.")
+@provider_option
 @click.option("--line", type=click.IntRange(min=1), default=1, show_default=True, help="Which line of --input.")
 @click.option("--base-url", default=None, help="Override [provider] base_url.")
 @click.option("--model", default=None, help="Override [provider] model.")
 @click.option("--timeout", type=click.FloatRange(min=0.001), default=None, help="Total seconds for the request.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @handle_errors
-def check(spec: str, input_path: str, line: int, as_json: bool, **kw: Any) -> None:
+def check(spec: str | None, input_path: str, line: int, as_json: bool, **kw: Any) -> None:
     """Send ONE real request built from SPEC and a line of --input, and show what came back.
 
     The smoke test before a big run: the request is built exactly as submit
@@ -777,15 +783,18 @@ def check(spec: str, input_path: str, line: int, as_json: bool, **kw: Any) -> No
 
     Exit 0 when the request succeeded and the answer is valid, 1 when it
     failed or the answer is invalid, 2 for a bad spec or input line, 3 when
-    the key was refused.
+    the key was refused. Without a SPEC, the line must be a provider's batch
+    line (as for submit) and --base-url is required.
 
     \b
-    Example:
+    Examples:
       batchrun check jobs/triage.toml --input jobs/triage.jsonl --line 3
+      batchrun check --input batch.jsonl --base-url https://api.openai.com/v1 --model gpt-4o-mini
     """
     from batchrun.check import check_spec, render_check
 
-    job_spec = load_spec(spec, _overrides(kw))
+    overrides = _overrides(kw)
+    job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
     result = _run_loop(check_spec(job_spec, input_path=input_path, line=line))
     click.echo(orjson.dumps(result.to_dict()).decode() if as_json else render_check(result))
     sys.exit(result.exit_code)

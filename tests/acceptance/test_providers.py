@@ -250,3 +250,20 @@ def test_anthropic_batch_lines_without_a_spec_and_the_anthropic_batch_export(tmp
         converted = [r for r in server.log if r.key == "x"]
     assert code == 1, stderr  # only the line without max_tokens is rejected now
     assert len(converted) == 1 and converted[0].api == "messages" and converted[0].outcome == "ok"
+
+
+def test_check_without_a_spec_sends_one_batch_line(tmp_path: Path) -> None:
+    path = tmp_path / "claude.jsonl"
+    path.write_bytes(b"".join(orjson.dumps({"custom_id": f"c{i}", "params": {
+        "model": "claude-x", "max_tokens": 50, "messages": [{"role": "user", "content": f"Say hello {i}"}]}}) + b"\n"
+        for i in range(3)))
+    with FakeOpenAIServer(Faults(seed=1), api_key=KEY) as server:
+        code, stdout, stderr = run(tmp_path, "check", "--input", str(path), "--line", "2", "--provider", "anthropic",
+                                   "--base-url", server.anthropic_base_url, "--json")
+        [seen] = server.log
+    assert code == 0, stdout + stderr
+    result = orjson.loads(stdout)
+    assert result["custom_id"] == "c1" and result["output"] == "echo: Say hello 1" and result["schema"] == "none"
+    assert seen.api == "messages" and result["request_id"] and result["url"].endswith("/v1/messages")
+    code, _, stderr = run(tmp_path, "check", "--input", str(path))  # no spec, no --base-url
+    assert code == 2 and "--base-url is required" in stderr
