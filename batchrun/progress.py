@@ -40,6 +40,7 @@ def snapshot(runner: JobRunner, todo: int) -> dict[str, Any]:
         "succeeded": s.done["succeeded"],
         "failed": s.done["failed"],
         "invalid_output": s.done["invalid_output"],
+        "cached": s.cached,  # succeeded from the response cache (counted in done and succeeded)
         "rate_per_s": round(rate, 3),
         "eta_s": round((todo - done) / rate, 1) if rate > 0 and todo > done else None,
         "requests": s.requests,
@@ -60,7 +61,9 @@ def _line(snap: dict[str, Any]) -> str:
     paused = f" paused {snap['paused_for_s']:.1f}s" if snap["paused_for_s"] > 0 else ""
     eta = f"{snap['eta_s']:.0f}s" if snap["eta_s"] is not None else "-"
     return (
-        f"done {snap['done']}/{snap['todo']} ok={snap['succeeded']} failed={snap['failed']} "
+        f"done {snap['done']}/{snap['todo']} ok={snap['succeeded']}"
+        + (f" (reused {snap['cached']})" if snap["cached"] else "")
+        + f" failed={snap['failed']} "
         f"rate={snap['rate_per_s']:.1f}/s eta={eta} in_flight={snap['in_flight']} window={snap['concurrency_now']}{paused} "
         f"tokens={snap['input_tokens']}+{snap['output_tokens']} cost=${snap['cost_usd']:.4f} errors: {errors}"
     )
@@ -117,7 +120,8 @@ async def show_progress(
                 task,
                 completed=snap["done"],
                 detail=f"in flight {snap['in_flight']}/{snap['concurrency_now']}  ${snap['cost_usd']:.4f}  "
-                f"failed {snap['failed']}  {errors}{paused}",
+                f"failed {snap['failed']}" + (f"  reused {snap['cached']}" if snap["cached"] else "")
+                + f"  {errors}{paused}",
             )
             if time.monotonic() >= next_record:
                 log.info("progress", extra={"progress": snap})

@@ -462,10 +462,14 @@ def test_log_file_gets_json_lines_with_progress_records(tmp_path: Path, server: 
     assert final["errors"].get("server_error", 0) == sum(1 for r in server.log if r.outcome == "500")
     assert final["requests"] == len(server.log)
     assert all({"ts", "level", "logger", "message"} <= set(e) for e in entries)
-    # a second run appends to the same file
-    again = run_cli(tmp_path, "resume", "1", "--db", str(db), "--quiet", "--log-file", str(log_file))
-    assert again.returncode == 0
-    assert len(log_file.read_bytes().splitlines()) > len(entries)
+    # a second run appends to the same file; a new job over the same input is answered from the cache
+    again = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--new",
+                    "--log-file", str(log_file), "--progress-interval", "0.2")
+    assert again.returncode == 0, again.stderr
+    later = [orjson.loads(line) for line in log_file.read_bytes().splitlines()][len(entries):]
+    last = [e["progress"] for e in later if e["logger"] == "batchrun.progress"][-1]
+    assert (last["done"], last["succeeded"], last["cached"], last["requests"]) == (60, 60, 60, 0)
+    assert "(reused 60)" in again.stderr  # the progress line on stderr says so too
 
 
 def test_log_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path, server: FakeOpenAIServer) -> None:
