@@ -21,7 +21,6 @@ from batchrun.errors import (
     EXIT_OK,
     EXIT_SOME_FAILED,
     AuthError,
-    InputError,
     OutputInvalidError,
     ProviderError,
 )
@@ -72,16 +71,13 @@ def _rate_limit_headers(headers: Any) -> dict[str, str]:
 async def check_spec(
     spec: JobSpec,
     *,
-    input_path: str | Path | None = None,
+    input_path: str | Path,
     line: int = 1,
     client: httpx.AsyncClient | None = None,
 ) -> CheckResult:
     """Send the request of ``input_path``'s line ``line`` once and report on it."""
     provider = provider_for(spec)
-    builder = RequestBuilder(spec, provider)
-    if input_path is None:
-        raise InputError("give --input FILE (and --line N) for the record to send")
-    custom_id, url, body = read_request(input_path, builder, line)
+    custom_id, url, body = read_request(input_path, RequestBuilder(spec, provider), line)
     request = provider.prepare(url, body)
     result = CheckResult(url=request.url, custom_id=custom_id, stream=request.stream)
     started = time.perf_counter()

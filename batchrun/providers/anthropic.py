@@ -29,11 +29,14 @@ from batchrun.providers.base import (
     Reply,
     StreamAssembler,
     error_for_status,
+    estimate_tokens,
     followup_turns,
+    int_header,
+    int_or_none,
     json_or_none,
     stream_error,
+    stream_event_json,
 )
-from batchrun.providers.openai import DEFAULT_ANSWER_TOKENS, int_header, int_or_none, stream_event_json
 from batchrun.spec import JobSpec
 
 MESSAGES_PATH = "/messages"
@@ -223,9 +226,7 @@ class AnthropicProvider:
         )
 
     def estimate_tokens(self, request: PreparedRequest) -> int:
-        """~4 bytes of request JSON per prompt token (a documented heuristic), plus max_tokens."""
-        data = orjson.loads(request.content)
-        return len(request.content) // 4 + int(data.get("max_tokens") or DEFAULT_ANSWER_TOKENS)
+        return estimate_tokens(request.content, ("max_tokens",))
 
 
 class MessageStreamAssembler:

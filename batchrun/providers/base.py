@@ -26,6 +26,7 @@ from batchrun.spec import JobSpec
 RETRYABLE_STATUS = frozenset({408, 409, 425})
 JSON_HEADERS = {"content-type": "application/json", "accept": "application/json", "user-agent": "batchrun"}
 SECRET_HEADERS = frozenset({"authorization", "x-api-key", "api-key"})
+DEFAULT_ANSWER_TOKENS = 1024  # assumed answer size when a request sets no max_tokens
 
 
 @dataclass(frozen=True)
@@ -345,8 +346,34 @@ def _describe(exc: BaseException) -> str:
     return text
 
 
-def json_or_none(content: bytes) -> Any:
+def json_or_none(content: bytes | str) -> Any:
     try:
         return orjson.loads(content)
     except orjson.JSONDecodeError:
         return None
+
+
+def stream_event_json(data: str) -> dict[str, Any]:
+    """One SSE event's JSON object; a bad event is a retryable bad_response."""
+    value = json_or_none(data)
+    if not isinstance(value, dict):
+        raise RetryableError(f"stream event is not a JSON object: {data[:200]!r}", error_class="bad_response")
+    return value
+
+
+def estimate_tokens(content: bytes, limit_keys: Sequence[str]) -> int:
+    """~4 bytes of request JSON per prompt token (a documented heuristic), plus the answer's limit."""
+    data = orjson.loads(content)
+    limit = next((data[k] for k in limit_keys if data.get(k)), DEFAULT_ANSWER_TOKENS)
+    return len(content) // 4 + int(limit)
+
+
+def int_header(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

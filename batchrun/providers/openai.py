@@ -17,16 +17,19 @@ from batchrun.providers.base import (
     Reply,
     StreamAssembler,
     error_for_status,
+    estimate_tokens,
     followup_turns,
+    int_header,
+    int_or_none,
     json_or_none,
     stream_error,
+    stream_event_json,
 )
 from batchrun.ratelimit import parse_reset
 from batchrun.spec import JobSpec
 from batchrun.validate import strict_problem
 
 CHAT_PATH = "/chat/completions"
-DEFAULT_ANSWER_TOKENS = 1024  # assumed answer size when a request sets no max_tokens
 
 
 class OpenAIProvider:
@@ -270,17 +273,6 @@ def openai_error_event(error: Any, raw: str) -> ProviderError:
     return error_for_status(status, httpx.Headers(), f"(in the stream) {message}", raw)
 
 
-def stream_event_json(data: str) -> dict[str, Any]:
-    """One SSE event's JSON object; a bad event is a retryable bad_response."""
-    try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise RetryableError(f"stream event is not a JSON object: {data[:200]!r}", error_class="bad_response")
-    return value
-
-
 def openai_rate_limits(headers: httpx.Headers) -> RateLimits | None:
     """``x-ratelimit-remaining-*`` / ``x-ratelimit-reset-*``, when the server sends them."""
     if "x-ratelimit-remaining-requests" not in headers and "x-ratelimit-remaining-tokens" not in headers:
@@ -291,21 +283,3 @@ def openai_rate_limits(headers: httpx.Headers) -> RateLimits | None:
         remaining_tokens=int_header(headers.get("x-ratelimit-remaining-tokens")),
         reset_tokens_s=parse_reset(headers.get("x-ratelimit-reset-tokens")),
     )
-
-
-def estimate_tokens(content: bytes, limit_keys: Sequence[str]) -> int:
-    """~4 bytes of request JSON per prompt token (a documented heuristic), plus the answer's limit."""
-    data = orjson.loads(content)
-    limit = next((data[k] for k in limit_keys if data.get(k)), DEFAULT_ANSWER_TOKENS)
-    return len(content) // 4 + int(limit)
-
-
-def int_header(value: str | None) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None

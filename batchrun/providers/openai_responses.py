@@ -17,16 +17,17 @@ import httpx
 import orjson
 
 from batchrun.errors import ProviderError
-from batchrun.providers.base import PreparedRequest, Reply, StreamAssembler, followup_turns, stream_error
-from batchrun.providers.openai import (
-    OpenAIProvider,
+from batchrun.providers.base import (
+    PreparedRequest,
+    Reply,
+    StreamAssembler,
     estimate_tokens,
+    followup_turns,
     int_or_none,
-    openai_error_event,
-    openai_rate_limits,
-    parse_openai_body,
+    stream_error,
     stream_event_json,
 )
+from batchrun.providers.openai import OpenAIProvider, openai_error_event, openai_rate_limits, parse_openai_body
 from batchrun.spec import JobSpec
 
 RESPONSES_PATH = "/responses"
