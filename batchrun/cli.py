@@ -219,8 +219,10 @@ def _work(
     return _run_loop(go())
 
 
-def _log_to_file(path: str) -> None:
+def _log_to_file(path: str | None) -> None:
     """``--log-file``: JSON lines of every batchrun log record at INFO and above (DEBUG with -vv)."""
+    if not path:
+        return
     from batchrun.progress import JsonLinesFormatter
 
     try:
@@ -387,8 +389,8 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
 
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
-    if kw.get("log_file") and not dry_run:
-        _log_to_file(kw["log_file"])
+    if not dry_run:
+        _log_to_file(kw.get("log_file"))
     if dry_run:
         from batchrun.jobs import dry_run as estimate
 
@@ -480,8 +482,7 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
     from batchrun.jobs import finish_interrupted_ingest
 
     overrides = _overrides(kw)
-    if kw.get("log_file"):
-        _log_to_file(kw["log_file"])
+    _log_to_file(kw.get("log_file"))
     with _open(db) as ledger:
         ledger.get_job(job)
         _check_targets(ledger, job, output, errors, force)
@@ -846,8 +847,7 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
             "batchrun worker needs a PostgreSQL ledger (--db postgresql+psycopg://... or BATCHRUN_DB); a SQLite "
             "ledger serves one run per job on one machine: use `batchrun submit` / `batchrun resume JOB` there"
         )
-    if kw.get("log_file"):
-        _log_to_file(kw["log_file"])  # log records only: a worker's jobs come and go, progress is `status`
+    _log_to_file(kw.get("log_file"))  # log records only: a worker's jobs come and go, progress is `status`
     concurrency = kw.pop("concurrency") or DEFAULT_CONCURRENCY
     max_runtime = kw.pop("max_runtime") or 0.0
     options = WorkerOptions(
