@@ -261,11 +261,19 @@ def test_sigterm_gives_the_items_back_and_exits_75(tmp_path: Path, pg_url: str, 
     assert "SIGTERM" in stderr and "Traceback" not in stderr
     counts = pg_counts(pg_url)
     assert counts["running"] == 0 and counts["succeeded"] + counts["pending"] == n and counts["pending"] > 0
-    again = run_cli(tmp_path, "worker", job, "--db", pg_url, "--exit-when-idle", "--quiet")
+    log_file = tmp_path / "worker.jsonl"
+    again = run_cli(tmp_path, "worker", job, "--db", pg_url, "--exit-when-idle", "--quiet", "--log-file", str(log_file))
     assert again.returncode == 0, again.stderr
     assert f"jobs {job}: " in again.stdout
+    records = [orjson.loads(line) for line in log_file.read_bytes().splitlines()]
+    assert any(r["logger"] == "batchrun.worker" and f"working job {job}" in r["message"] for r in records)
     export(tmp_path, pg_url, job, n)
     assert set(Counter(r["key"] for r in fake_server.stop()).values()) == {1}, "a graceful stop re-sends nothing"
+
+
+def test_worker_log_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path, pg_url: str) -> None:
+    proc = run_cli(tmp_path, "worker", "--db", pg_url, "--exit-when-idle", "--log-file", str(tmp_path / "no" / "x.jsonl"))
+    assert proc.returncode == 2 and "--log-file" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_worker_refuses_a_sqlite_ledger(tmp_path: Path) -> None:
