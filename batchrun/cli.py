@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import signal
@@ -242,7 +243,14 @@ def _log_to_file(path: str | None) -> None:
 
 
 def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run, on uvloop when it is installed (``batchrun[uvloop]``: ~10% less CPU per request)."""
+    """asyncio.run, on uvloop when it is installed (``batchrun[uvloop]``: ~10% less CPU per request).
+
+    The objects made so far (modules, the spec) live as long as the process, so
+    the cyclic garbage collector stops walking them: its full collections paused
+    the loop for 40-100 ms several times a run while every answer waited, and
+    about half as long once these are frozen (bench/RESULTS.md, T2).
+    """
+    gc.freeze()
     try:
         import uvloop
     except ImportError:

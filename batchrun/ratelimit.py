@@ -1,7 +1,13 @@
 """How fast a run may send: adaptive concurrency with slow start and a shared pause.
 
 A run opens with a few requests in flight and adds one per clean answer (slow
-start, then +1/window per answer once it has been told to slow down). A 429
+start); once ``PROBE_ANSWERS`` answers have come back clean — key, model and
+endpoint work — and nothing has been rate limited, it opens to the full
+concurrency (or to what the provider's ``remaining-requests`` header last
+allowed, if lower) over one answer's latency, so the new requests go out
+spread evenly rather than as one burst that would come back as one burst, and
+then keep the loop idle while they are all in flight. After a 429 it grows by
++1/window per answer. A 429
 halves the window (at most once per second, so one burst is one decrease) and
 pauses all dispatch until its ``Retry-After`` has passed; waiters then re-enter
 a few at a time, bounded by the halved window — no thundering herd.
@@ -17,7 +23,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 DEFAULT_PAUSE_S = 1.0
+PROBE_ANSWERS = 4  # clean answers before slow start opens to the cap
 DECREASE_EVERY_S = 1.0
+OPEN_STEP_S = 0.005  # how often the window grows while it opens
 
 
 class AdaptiveConcurrency:
@@ -34,7 +42,9 @@ class AdaptiveConcurrency:
         self.in_flight = 0
         self.paused_until = 0.0
         self.rate_limited = 0
+        self.clean_answers = 0
         self._last_decrease = 0.0
+        self._opening: asyncio.TimerHandle | None = None
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._rng = random.Random(seed)
         self._stopped = asyncio.Event()
@@ -49,6 +59,7 @@ class AdaptiveConcurrency:
     def stop(self) -> None:
         """Wake every waiter: :meth:`acquire` returns False from now on."""
         self._stopped.set()
+        self._stop_opening()
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -102,12 +113,45 @@ class AdaptiveConcurrency:
                 waiter.set_result(None)
                 free -= 1
 
-    def on_success(self) -> None:
+    def on_success(self, remaining_requests: int | None = None, latency_s: float = 0.0) -> None:
+        """A clean answer that took ``latency_s``; ``remaining_requests`` is what the provider's
+        rate-limit header says is left."""
+        self.clean_answers += 1
         if self.window < self.threshold:
-            self.window = min(float(self.limit), self.window + 1.0)
+            if self.clean_answers >= PROBE_ANSWERS and not self.rate_limited:
+                if self._opening is None:
+                    target = self.threshold if remaining_requests is None else min(self.threshold, remaining_requests)
+                    self._open_to(float(target), latency_s)
+            else:
+                self.window = min(float(self.limit), self.window + 1.0)
         else:
             self.window = min(float(self.limit), self.window + 1.0 / self.window)
         self._wake()
+
+    def _open_to(self, target: float, over_s: float) -> None:
+        """Grow the window to ``target`` in even steps over ``over_s`` seconds."""
+        steps = int(over_s / OPEN_STEP_S)
+        if target <= self.window + 1.0 or steps <= 1:
+            self.window = max(self.window + 1.0, min(target, float(self.limit)))
+            return
+        step = (target - self.window) / steps
+
+        def grow() -> None:
+            self._opening = None
+            if self.rate_limited or self._stopped.is_set():
+                return
+            self.window = min(target, float(self.limit), self.window + step)
+            self._wake()
+            if self.window < min(target, float(self.limit)):
+                self._opening = loop.call_later(OPEN_STEP_S, grow)
+
+        loop = asyncio.get_running_loop()
+        self._opening = loop.call_later(OPEN_STEP_S, grow)
+
+    def _stop_opening(self) -> None:
+        if self._opening is not None:
+            self._opening.cancel()
+            self._opening = None
 
     def pause(self, seconds: float) -> None:
         """Send nothing for ``seconds`` (the provider said its budget resets then)."""
@@ -117,6 +161,7 @@ class AdaptiveConcurrency:
         """A 429: halve the window (once per burst) and pause everyone."""
         now = time.monotonic()
         self.rate_limited += 1
+        self._stop_opening()
         if now - self._last_decrease >= DECREASE_EVERY_S:
             self.window = max(1.0, self.window / 2.0)
             self.threshold = self.window

@@ -11,8 +11,11 @@ One asyncio loop runs three things:
   a clean answer keeps its slot until it is committed, so answers paid for but
   not yet in the ledger (lost by a ``kill -9``) never exceed the concurrency;
 - the writer commits outcomes and attempts in batches (by count or every
-  ``flush_interval``), hands the held slots back, and renews the run's
-  heartbeat and leases.
+  ``flush_interval``; at once while a clean answer holds its slot, so the
+  answers that come in during one commit make the next one), hands the held
+  slots back, and renews the run's heartbeat and leases. Waiting to gather
+  bigger batches would hand slots back in bursts, and against a steady
+  latency a burst sent together comes back together and stalls the loop.
 
 The ledger is synchronous; its calls run on one dedicated thread so the loop
 never blocks on SQLite and the ledger sees one writer per process. On
@@ -85,9 +88,6 @@ class RunOptions:
     initial_concurrency: int = 4
     flush_interval: float = 0.1
     flush_count: int = 500
-    # A clean answer holds its slot until committed: once one is waiting, the writer
-    # commits after at most this long (group commit), so slots come back quickly.
-    held_flush_wait: float = 0.02
     heartbeat_interval: float = 10.0
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
@@ -552,7 +552,8 @@ class JobRunner:
             work.counted += 1
             counted = True
             if error is None:
-                self.controller.on_success()
+                remaining = reply.limits.remaining_requests if reply and reply.limits else None
+                self.controller.on_success(remaining, latency_ms / 1000.0)
                 for budget in self._budgets:
                     budget.recover()
                 self._note_latency(latency_ms / 1000.0)
@@ -751,8 +752,6 @@ class JobRunner:
             except TimeoutError:
                 pass
             self._flush_now.clear()
-            if self._held_slots and len(self._outcomes) < self._flush_count and not self._writer_done:
-                await asyncio.sleep(self.options.held_flush_wait)  # let a batch gather
             self.stats.window = self.controller.allowed
             self.stats.paused_for = self.controller.paused_for()
             outcomes, self._outcomes = self._outcomes, []

@@ -1,0 +1,98 @@
+"""The adaptive concurrency window: probe, open evenly, back off."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from batchrun.ratelimit import PROBE_ANSWERS, AdaptiveConcurrency
+
+
+def test_probe_answers_grow_the_window_one_by_one() -> None:
+    async def go() -> None:
+        c = AdaptiveConcurrency(200, initial=4)
+        for n in range(1, PROBE_ANSWERS):
+            c.on_success(latency_s=0.2)
+            assert c.allowed == 4 + n  # a wrong key or model costs a handful of requests
+        assert c.allowed < 10
+
+    asyncio.run(go())
+
+
+def test_window_opens_to_the_cap_spread_over_one_latency() -> None:
+    async def go() -> None:
+        c = AdaptiveConcurrency(200, initial=4)
+        seen: list[tuple[float, int]] = []
+        started = time.monotonic()
+        for _ in range(PROBE_ANSWERS):
+            c.on_success(latency_s=0.2)
+        while c.allowed < 200 and time.monotonic() - started < 2:
+            seen.append((time.monotonic() - started, c.allowed))
+            await asyncio.sleep(0.01)
+        assert c.allowed == 200
+        took = time.monotonic() - started
+        assert 0.15 <= took <= 1.5, took  # not at once: spread over ~the answer's latency
+        halfway = [allowed for t, allowed in seen if 0.08 <= t <= 0.12]
+        assert halfway and all(20 <= a <= 170 for a in halfway), seen  # evenly, not in one step
+
+    asyncio.run(go())
+
+
+def test_waiters_are_let_in_as_the_window_opens() -> None:
+    async def go() -> None:
+        c = AdaptiveConcurrency(50, initial=4)
+        for _ in range(4):
+            assert await c.acquire()
+        waiters = [asyncio.ensure_future(c.acquire()) for _ in range(46)]
+        await asyncio.sleep(0)
+        assert not any(w.done() for w in waiters)
+        for _ in range(PROBE_ANSWERS):
+            c.on_success(latency_s=0.1)
+        await asyncio.sleep(0.04)
+        some = sum(w.done() for w in waiters)
+        assert 0 < some < 46  # part of them after ~40% of the latency
+        await asyncio.wait_for(asyncio.gather(*waiters), 1.0)
+        assert c.in_flight == 50
+
+    asyncio.run(go())
+
+
+def test_opening_stops_at_the_providers_remaining_requests() -> None:
+    async def go() -> None:
+        c = AdaptiveConcurrency(200, initial=4)
+        for _ in range(PROBE_ANSWERS):
+            c.on_success(remaining_requests=30, latency_s=0.05)
+        await asyncio.sleep(0.3)
+        assert c.allowed == 30
+
+    asyncio.run(go())
+
+
+def test_a_429_during_the_opening_halves_and_stops_it() -> None:
+    async def go() -> None:
+        c = AdaptiveConcurrency(200, initial=4)
+        for _ in range(PROBE_ANSWERS):
+            c.on_success(latency_s=0.2)
+        await asyncio.sleep(0.1)
+        before = c.allowed
+        assert 10 < before < 200
+        c.on_rate_limited(retry_after=0.05)
+        assert c.allowed == before // 2
+        await asyncio.sleep(0.3)
+        assert c.allowed == before // 2  # no further opening: +1/window per clean answer from here
+        c.on_success(latency_s=0.2)
+        assert c.allowed <= before // 2 + 1
+
+    asyncio.run(go())
+
+
+def test_a_rate_limited_run_never_opens_at_once() -> None:
+    async def go() -> None:
+        c = AdaptiveConcurrency(200, initial=4)
+        c.on_rate_limited(retry_after=0.0)
+        for _ in range(PROBE_ANSWERS * 4):
+            c.on_success(latency_s=0.2)
+        await asyncio.sleep(0.05)
+        assert c.allowed < 10
+
+    asyncio.run(go())
