@@ -222,6 +222,36 @@ class TokenBucket:
             self.rate = min(self.full_rate, self.rate * 1.01)
 
 
+class RequestWindow:
+    """At most ``count`` requests in any ``window_s`` seconds: the per-second form of a
+    per-minute request limit.
+
+    A token bucket bounds a window of ``T`` seconds only to ``rate × T +
+    capacity``, and the capacity that lets it catch up after a late wake-up is
+    what pushes a sliding one-second window one request over (bench T3s). This
+    keeps the last ``count`` send times and holds a request until the oldest is
+    ``window_s`` old. For a limit of ``rpm`` per minute it allows ``rpm / 60``
+    per second over a second plus ``margin_s``, so jitter on the way to the
+    provider does not bunch them into a shorter span.
+    """
+
+    def __init__(self, per_minute: float, *, margin_s: float = 0.01) -> None:
+        per_second = per_minute / 60.0
+        self.count = max(1, int(per_second))
+        self.window_s = self.count / per_second + margin_s
+        self._sent: deque[float] = deque(maxlen=self.count)
+        self._lock = asyncio.Lock()
+
+    async def admit(self) -> None:
+        """Wait until one more request fits the window, and count it."""
+        async with self._lock:
+            if len(self._sent) == self.count:
+                wait = self._sent[0] + self.window_s - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            self._sent.append(time.monotonic())
+
+
 class SharedTokenBucket:
     """A job-wide budget per minute kept in the ledger, shared by every process working the job.
 

@@ -64,7 +64,7 @@ from batchrun.ledger.reconnect import ride_out
 from batchrun.providers import Provider, Reply, make_client, send
 from batchrun.providers.base import PreparedRequest, RateLimits
 from batchrun.pricing import Price, price_for
-from batchrun.ratelimit import AdaptiveConcurrency, SharedTokenBucket, TokenBucket
+from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SharedTokenBucket, TokenBucket
 from batchrun.spec import JobSpec
 from batchrun.validate import OutputValidator, feedback
 
@@ -194,6 +194,7 @@ class JobRunner:
         self._heartbeat_interval = min(self.options.heartbeat_interval, self.lease_seconds / 4)
         self._bucket_db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-bucket")
         self.request_budget = self._budget("requests", spec.run.rpm)
+        self.request_window = RequestWindow(spec.run.rpm) if spec.run.rpm > 0 else None
         self.token_budget = self._budget("tokens", spec.run.tpm)
         self._budgets = [b for b in (self.request_budget, self.token_budget) if b is not None]
         budget_at = budget_price(spec)  # SpecError here, before anything is sent, if a budget has no price
@@ -488,6 +489,8 @@ class JobRunner:
         try:
             if self.request_budget:
                 await self.request_budget.take(1)
+            if self.request_window:
+                await self.request_window.admit()
             if self.token_budget:
                 await self.token_budget.take(estimate)
             if spend is not None:

@@ -454,7 +454,7 @@ def _cli_env(tmp_path: Path) -> dict[str, str]:
 def test_watch_follows_a_running_job_until_it_is_done(
     tmp_path: Path, db_url: str, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
 ) -> None:
-    server.faults = Faults(latency_s=0.02)
+    server.faults = Faults(latency_s=0.08)  # ~2.4 s of work at concurrency 4: the watcher starts in ~1 s
     job_id = submit(ledger, make_spec(tmp_path, server, concurrency=4), write_jsonl(records(120)))
     watcher = subprocess.Popen(
         [sys.executable, "-m", "batchrun", "status", str(job_id), "--watch", "--interval", "0.2", "--db", db_url],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from batchrun.ratelimit import PROBE_ANSWERS, AdaptiveConcurrency
+from batchrun.ratelimit import PROBE_ANSWERS, AdaptiveConcurrency, RequestWindow
 
 
 def test_probe_answers_grow_the_window_one_by_one() -> None:
@@ -96,3 +96,25 @@ def test_a_rate_limited_run_never_opens_at_once() -> None:
         assert c.allowed < 10
 
     asyncio.run(go())
+
+
+def test_request_window_never_lets_a_second_hold_more_than_its_share() -> None:
+    async def go() -> list[float]:
+        window = RequestWindow(600)  # 10 per second
+        assert (window.count, round(window.window_s, 3)) == (10, 1.01)
+        sent: list[float] = []
+        for _ in range(25):
+            await window.admit()
+            sent.append(time.monotonic())
+        return sent
+
+    sent = asyncio.run(go())
+    assert sent[9] - sent[0] < 0.1  # the first ten go at once: the window only bounds a second
+    for i in range(10, len(sent)):
+        assert sent[i] - sent[i - 10] >= 1.01 - 0.002  # any 11 span more than a second
+    assert sent[-1] - sent[0] < 2.2  # and it does not hold them back beyond that
+
+
+def test_request_window_below_one_per_second_spaces_requests() -> None:
+    window = RequestWindow(30)  # one every 2 s
+    assert window.count == 1 and abs(window.window_s - 2.01) < 1e-9
