@@ -10,10 +10,10 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from batchrun.ledger.models import Base
+from batchrun.ledger.models import metadata
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = metadata
 
 
 def run_migrations(connection) -> None:  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import orjson
 from sqlalchemy import (
@@ -21,7 +21,6 @@ from sqlalchemy import (
     Engine,
     Float,
     Integer,
-    Table,
     and_,
     bindparam,
     case,
@@ -41,15 +40,14 @@ from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 from batchrun.cache import CachedAnswer
 from batchrun.errors import JobLockedError, JobNotFoundError
 from batchrun.ledger.engine import WRITE_OPTION, open_engine
-from batchrun.ledger.models import Attempt, Export, Item, ItemState, Job, RateBucket, Run
+from batchrun.ledger.models import ItemState
+from batchrun.ledger.models import attempts as attempts_t
+from batchrun.ledger.models import exports as exports_t
+from batchrun.ledger.models import items as items_t
+from batchrun.ledger.models import jobs as jobs_t
+from batchrun.ledger.models import rate_buckets as buckets_t
+from batchrun.ledger.models import runs as runs_t
 from batchrun.spec import JobSpec
-
-jobs_t = cast(Table, Job.__table__)
-items_t = cast(Table, Item.__table__)
-attempts_t = cast(Table, Attempt.__table__)
-runs_t = cast(Table, Run.__table__)
-exports_t = cast(Table, Export.__table__)
-buckets_t = cast(Table, RateBucket.__table__)
 
 
 @dataclass(frozen=True)

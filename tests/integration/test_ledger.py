@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, inspect, text
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerError
 from batchrun.ledger import AttemptRecord, ItemState, Ledger, Outcome
 from batchrun.ledger.engine import SCHEMA_HEAD, alembic_config, upgrade_to_head
-from batchrun.ledger.models import Base
+from batchrun.ledger.models import metadata
 from batchrun.spec import Overrides, spec_for_batch_input
 
 SPEC = spec_for_batch_input(Overrides(base_url="http://127.0.0.1:9/v1", model="m"))
@@ -36,7 +36,7 @@ def test_migration_from_blank_to_head_matches_models(db_url: str) -> None:
         with ledger.engine.connect() as conn:
             ctx = MigrationContext.configure(conn)
             assert ctx.get_current_revision() == SCHEMA_HEAD
-            assert compare_metadata(ctx, Base.metadata) == []
+            assert compare_metadata(ctx, metadata) == []
             assert {"jobs", "items", "attempts", "runs", "exports"} <= set(inspect(conn).get_table_names())
         assert upgrade_to_head(ledger.engine) is False  # opening again applies nothing
     finally:
