@@ -20,7 +20,7 @@ import orjson
 
 from batchrun.errors import ExportError
 from batchrun.ledger import ItemRow, ItemState, Ledger
-from batchrun.providers.base import json_or_none
+from batchrun.jsonutil import json_or_none
 
 FORMATS = ("results", "openai-batch", "anthropic-batch")
 # The batch formats carry the provider's own answer bodies, so each fits its provider's jobs.

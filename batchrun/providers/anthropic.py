@@ -33,10 +33,10 @@ from batchrun.providers.base import (
     followup_turns,
     int_header,
     int_or_none,
-    json_or_none,
     stream_error,
     stream_event_json,
 )
+from batchrun.jsonutil import json_or_none
 from batchrun.spec import JobSpec
 
 MESSAGES_PATH = "/messages"

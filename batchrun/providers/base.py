@@ -20,6 +20,7 @@ import orjson
 from httpx_sse import EventSource, SSEError
 
 from batchrun.errors import AuthError, PermanentError, ProviderError, RateLimitedError, RetryableError
+from batchrun.jsonutil import json_or_none
 from batchrun.redact import contains_secret, redact, redact_optional
 from batchrun.spec import JobSpec
 
@@ -344,13 +345,6 @@ def _describe(exc: BaseException) -> str:
     elif not str(exc):
         text = type(cause).__name__ if cause is not None else type(exc).__name__
     return text
-
-
-def json_or_none(content: bytes | str) -> Any:
-    try:
-        return orjson.loads(content)
-    except orjson.JSONDecodeError:
-        return None
 
 
 def stream_event_json(data: str) -> dict[str, Any]:

@@ -21,11 +21,11 @@ from batchrun.providers.base import (
     followup_turns,
     int_header,
     int_or_none,
-    json_or_none,
     stream_error,
     stream_event_json,
 )
 from batchrun.ratelimit import parse_reset
+from batchrun.jsonutil import json_or_none
 from batchrun.spec import JobSpec
 from batchrun.validate import strict_problem
 

@@ -1,0 +1,22 @@
+"""Commands that only read the ledger start without the run machinery."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+RUN_MACHINERY = ("aiohttp", "httpx", "httpx_sse", "jsonschema", "alembic", "sqlalchemy.orm")
+
+
+def test_cli_import_leaves_the_http_stack_and_the_orm_out() -> None:
+    code = (
+        "import sys, batchrun.cli, batchrun.export, batchrun.report\n"
+        f"print(','.join(m for m in {RUN_MACHINERY!r} if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == ""
+
+
+def test_the_check_is_not_vacuous() -> None:
+    code = "import sys, batchrun.providers\nprint('aiohttp' in sys.modules and 'httpx' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
