@@ -692,8 +692,9 @@ def precompile() -> None:
     end-to-end figure that a user's ``pip install batchrun`` never pays.
     """
     python = str(Path(BATCHRUN).parent / "python")
-    subprocess.run([python, "-c", "import batchrun, compileall, os; "
-                    "compileall.compile_dir(os.path.dirname(batchrun.__file__), quiet=1)"], check=True)
+    subprocess.run([python, "-c", "import batchrun, compileall, os; from batchrun.bundled import bundled_dir; "
+                    "compileall.compile_dir(os.path.dirname(batchrun.__file__), quiet=1); "
+                    "compileall.compile_dir(str(bundled_dir('migrations')), quiet=1)"], check=True)
 
 
 def main() -> int:
