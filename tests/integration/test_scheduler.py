@@ -314,9 +314,11 @@ def test_rpm_budget_paces_below_the_servers_limit(
     summary = run(ledger, job_id)
     elapsed = time.monotonic() - started
     assert summary.exit_code == EXIT_OK
-    # Over a minute the pace never trips the limit; over one second, jitter may bunch
-    # a request or two (bench/ measures this at scale: T3).
-    assert sum(r.status == 429 for r in server.log) <= (0 if window_s == 60.0 else 2)
+    # Over a minute the pace never trips the limit. Over one second the client never
+    # sends 21 within 1.01 s, but this server runs in the test's process and shares its
+    # GIL, so on a loaded machine a receive can be stamped more than 10 ms late and bunch
+    # a few (bench/ measures it with the server in its own process: T3s, 0-1 429s of 4,500).
+    assert sum(r.status == 429 for r in server.log) <= (0 if window_s == 60.0 else 3)
     rate = 150 / elapsed * 60
     assert 0.75 * 1200 < rate <= 1200  # close to the limit, never over it
 
