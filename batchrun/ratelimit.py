@@ -1,16 +1,16 @@
 """How fast a run may send: adaptive concurrency with slow start and a shared pause.
 
 A run opens with a few requests in flight and adds one per clean answer (slow
-start); once ``PROBE_ANSWERS`` answers have come back clean — key, model and
-endpoint work — and nothing has been rate limited, it opens to the full
-concurrency (or to what the provider's ``remaining-requests`` header last
-allowed, if lower) over one answer's latency, so the new requests go out
-spread evenly rather than as one burst that would come back as one burst, and
-then keep the loop idle while they are all in flight. After a 429 it grows by
-+1/window per answer. A 429
-halves the window (at most once per second, so one burst is one decrease) and
-pauses all dispatch until its ``Retry-After`` has passed; waiters then re-enter
-a few at a time, bounded by the halved window — no thundering herd.
+start). Once ``PROBE_ANSWERS`` answers have come back clean (key, model and
+endpoint work) and nothing has been rate limited, it opens to the full
+concurrency, or to the provider's ``remaining-requests`` header if lower, in
+even steps over one answer's latency: requests sent as one burst come back as
+one burst, and the loop then idles while the next burst is out.
+
+A 429 halves the window (at most once per second, so one burst is one
+decrease) and pauses all dispatch until its ``Retry-After`` has passed; waiters
+then re-enter a few at a time, bounded by the halved window — no thundering
+herd. From there the window grows by +1/window per clean answer.
 ``limit`` (the spec's concurrency) is a hard cap throughout.
 """
 

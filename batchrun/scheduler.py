@@ -489,10 +489,10 @@ class JobRunner:
         try:
             if self.request_budget:
                 await self.request_budget.take(1)
-            if self.request_window:
-                await self.request_window.admit()
             if self.token_budget:
                 await self.token_budget.take(estimate)
+            if self.request_window:  # last of the waits, so the time it counts is the send's
+                await self.request_window.admit()
             if spend is not None:
                 held = await spend.reserve(estimate)  # BudgetExceededError: stop the run
                 if held is None:
