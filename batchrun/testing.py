@@ -473,6 +473,15 @@ class _Api:
         raise NotImplementedError
 
 
+def _json_schema_format(fmt: Any) -> dict[str, Any] | None:
+    """The schema of a ``{"type": "json_schema", "schema": {...}}`` output format (Responses, Messages)."""
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        schema = fmt.get("schema")
+        if isinstance(schema, dict):
+            return schema
+    return None
+
+
 class _OpenAIApi(_Api):
     """What the two OpenAI APIs share: Bearer auth, error bodies, rate-limit headers."""
 
@@ -594,12 +603,7 @@ class _ResponsesApi(_OpenAIApi):
     @staticmethod
     def _schema(body: dict[str, Any]) -> dict[str, Any] | None:
         text = body.get("text")
-        fmt = text.get("format") if isinstance(text, dict) else None
-        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-            schema = fmt.get("schema")
-            if isinstance(schema, dict):
-                return schema
-        return None
+        return _json_schema_format(text.get("format") if isinstance(text, dict) else None)
 
     def structured(self, body: dict[str, Any]) -> bool:
         return self._schema(body) is not None
@@ -767,12 +771,7 @@ class _MessagesApi(_Api):
     def _output_schema(body: dict[str, Any]) -> dict[str, Any] | None:
         """Schema of JSON outputs: ``output_config.format`` (or the older ``output_format``)."""
         config = body.get("output_config")
-        fmt = config.get("format") if isinstance(config, dict) else body.get("output_format")
-        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-            schema = fmt.get("schema")
-            if isinstance(schema, dict):
-                return schema
-        return None
+        return _json_schema_format(config.get("format") if isinstance(config, dict) else body.get("output_format"))
 
     def structured(self, body: dict[str, Any]) -> bool:
         return self._tool(body) is not None or self._output_schema(body) is not None
