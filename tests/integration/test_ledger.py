@@ -54,6 +54,7 @@ def test_sqlite_pragmas(tmp_path: Path) -> None:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL: results survive power loss
 
 
 def test_db_upgrade_command_and_alembic_config(tmp_path: Path) -> None:
