@@ -553,7 +553,7 @@ def test_help_shows_the_commands_and_their_examples() -> None:
 
 
 def test_status_reports_time_to_first_token_of_a_streamed_job(
-    tmp_path: Path, db_url: str, ledger: Ledger, write_jsonl: Callable[..., Path]
+    tmp_path: Path, db_url: str, ledger: Ledger, write_jsonl: Callable[..., Path], frozen_heap: None
 ) -> None:
     """TTFT percentiles come from streamed answers: at least the server's latency, below the total."""
     faults = Faults(seed=5, latency_s=0.03, stream_chunk_delay_s=0.03)
