@@ -108,6 +108,21 @@ def test_retries_exhausted(ledger: Ledger, server: FakeOpenAIServer, write_jsonl
     assert server.requests_by_key() == {"k0": 3, "k1": 3, "k2": 3}
 
 
+def test_retries_back_off_from_the_first_failure(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+) -> None:
+    """The first attempt is made outside tenacity; its failure still starts the backoff (0.2 s, then 0.4 s)."""
+    server.faults = Faults(status_override=500)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(1)), max_attempts=3)
+    summary = run(ledger, job_id, RunOptions(backoff_initial=0.2, backoff_max=5.0, flush_interval=0.05))
+    assert summary.exit_code == EXIT_SOME_FAILED
+    sent = sorted(r.received_at for r in server.log)
+    assert len(sent) == 3
+    first_gap, second_gap = sent[1] - sent[0], sent[2] - sent[1]
+    assert 0.2 <= first_gap < 0.2 + 0.2 + 0.15  # 0.2 × 2⁰ plus up to 0.2 of jitter
+    assert 0.4 <= second_gap < 0.4 + 0.2 + 0.15  # 0.2 × 2¹ plus jitter
+
+
 def test_auth_error_stops_the_run_after_a_few_requests(
     ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
 ) -> None:
