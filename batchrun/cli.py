@@ -32,7 +32,6 @@ from batchrun.errors import (
 from batchrun.export import FORMATS, check_target, export_job
 from batchrun.ledger import ItemState, Ledger, default_db_path, resolve_db_url
 from batchrun.redact import RedactingFilter, redact
-from batchrun.report import job_status
 from batchrun.spec import PROVIDER_KINDS, Overrides, load_spec, spec_for_batch_input
 
 if TYPE_CHECKING:
@@ -537,7 +536,7 @@ def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str
       batchrun status 3 --json
       batchrun status 3 --watch --interval 5
     """
-    from batchrun.report import status_lines, watch_status
+    from batchrun.report import job_status, status_lines, watch_status
 
     with _open(db) as ledger:
         job_id = job if job is not None else _latest_job(ledger)

@@ -17,6 +17,11 @@ def test_cli_import_leaves_the_http_stack_and_the_orm_out() -> None:
     assert loaded == ""
 
 
+def test_export_and_list_start_without_rich() -> None:
+    code = "import sys, batchrun.cli, batchrun.export\nprint('rich' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
 def test_the_check_is_not_vacuous() -> None:
     code = "import sys, batchrun.providers\nprint('aiohttp' in sys.modules and 'httpx' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
