@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from sqlalchemy import create_engine, inspect, text
 
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerError
 from batchrun.ledger import AttemptRecord, ItemState, Ledger, Outcome
-from batchrun.ledger.engine import SCHEMA_HEAD, alembic_config, upgrade_to_head
+from batchrun.ledger.engine import SCHEMA_HEAD, alembic_config, create_ledger_engine, resolve_db_url, upgrade_to_head
 from batchrun.ledger.models import metadata
 from batchrun.spec import Overrides, spec_for_batch_input
 
@@ -31,16 +32,57 @@ def make_job(ledger: Ledger, n: int) -> int:
 
 
 def test_migration_from_blank_to_head_matches_models(db_url: str) -> None:
-    ledger = Ledger.open(db_url)
+    engine = create_ledger_engine(resolve_db_url(db_url))
     try:
-        with ledger.engine.connect() as conn:
+        assert upgrade_to_head(engine, migrate_new=True) is True  # every migration, from a blank database
+        with engine.connect() as conn:
             ctx = MigrationContext.configure(conn)
             assert ctx.get_current_revision() == SCHEMA_HEAD
             assert compare_metadata(ctx, metadata) == []
             assert {"jobs", "items", "attempts", "runs", "exports"} <= set(inspect(conn).get_table_names())
-        assert upgrade_to_head(ledger.engine) is False  # opening again applies nothing
+        assert upgrade_to_head(engine) is False  # opening again applies nothing
     finally:
-        ledger.close()
+        engine.dispose()
+
+
+def _sqlite_schema(path: Path) -> dict[str, object]:
+    """What a SQLite schema means, read back from the file (column order aside: Alembic appends added columns)."""
+    con = sqlite3.connect(path)
+    try:
+        schema: dict[str, object] = {}
+        for (table,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"):
+            schema[f"{table} columns"] = sorted(row[1:] for row in con.execute(f"PRAGMA table_xinfo({table})"))
+            schema[f"{table} foreign keys"] = sorted(row[2:] for row in con.execute(f"PRAGMA foreign_key_list({table})"))
+            for _, index, unique, origin, partial in con.execute(f"PRAGMA index_list({table})"):
+                columns = [(name, desc, coll, key) for _, _, name, desc, coll, key in con.execute(f"PRAGMA index_xinfo({index})")]
+                schema[f"{table} index {index}"] = (unique, origin, partial, columns)
+        schema["index sql"] = sorted(
+            (name, " ".join(sql.split()))
+            for name, sql in con.execute("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
+        )
+        schema["other objects"] = sorted(con.execute("SELECT type, name FROM sqlite_master WHERE type NOT IN ('table', 'index')"))
+        schema["version"] = con.execute("SELECT version_num FROM alembic_version").fetchall()
+        return schema
+    finally:
+        con.close()
+
+
+def test_a_new_sqlite_ledger_is_made_at_head_and_matches_the_migrated_one(tmp_path: Path) -> None:
+    migrated = create_ledger_engine(resolve_db_url(tmp_path / "migrated.db"))
+    upgrade_to_head(migrated, migrate_new=True)
+    migrated.dispose()
+    Ledger.open(tmp_path / "new.db").close()  # the way a first submit makes one
+    new, reference = _sqlite_schema(tmp_path / "new.db"), _sqlite_schema(tmp_path / "migrated.db")
+    assert len(new) > 20 and new["version"] == [(SCHEMA_HEAD,)]
+    assert new == reference
+
+
+def test_a_new_sqlite_ledger_opens_without_alembic(tmp_path: Path) -> None:
+    code = (
+        "import sys\nfrom batchrun.ledger import Ledger\n"
+        f"Ledger.open({str(tmp_path / 'l.db')!r}).close()\nprint('alembic' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
 def test_schema_head_constant_matches_the_migrations() -> None:
