@@ -448,9 +448,10 @@ class JobRunner:
         """One question (the request, or a re-ask), retried through tenacity until answered.
 
         The first attempt is made before tenacity is set up: most questions are
-        answered at once, and building the retry machinery costs ~40 µs a question
-        (4% of a request's CPU). A first attempt that fails is handed to tenacity as
-        its own attempt 1, so stop, wait and Retry-After see exactly what they would.
+        answered at once, and setting up and stepping through the retry machinery
+        costs ~40 µs a question (bench/RESULTS.md). A first attempt that fails is handed
+        to tenacity as its own attempt 1, so stop, wait and Retry-After see exactly
+        what they would.
         """
         try:
             return await self._attempt(work)
