@@ -9,7 +9,9 @@ CPU-s per 1,000 requests of each (after 200 warm-up requests)::
     .venv/bin/python bench/transport_floor.py http://127.0.0.1:8765/v1/chat/completions --n 10000
 
 This is the floor under T1's CPU figure: what the client stack costs before batchrun
-claims, sends, parses or records anything.
+claims, sends, parses or records anything. With the server at ``--latency 0.2`` and
+``--concurrency 200`` it is T2's ceiling on the machine: the rate a client that does nothing
+else reaches against the same server.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import orjson
 import uvloop
 from httpx_aiohttp import AiohttpTransport
 
-CONCURRENCY = 100
+CONCURRENCY = 100  # --concurrency
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 32})
 HEADERS = {"content-type": "application/json", "accept": "application/json", "authorization": "Bearer x"}
 
@@ -78,5 +80,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("url", help="the fake server's chat completions URL")
     parser.add_argument("--n", type=int, default=10_000, help="requests per client stack (default 10,000)")
+    parser.add_argument("--concurrency", type=int, default=CONCURRENCY, help="requests in flight (default 100)")
     args = parser.parse_args()
+    CONCURRENCY = args.concurrency
     uvloop.run(main(args.url, args.n))
