@@ -15,6 +15,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 
 from batchrun.bundled import bundled_dir
 from batchrun.errors import LedgerError
+from batchrun.ledger.models import metadata
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 WRITE_OPTION = "batchrun_write"  # execution option marking a write transaction
@@ -119,9 +120,9 @@ def current_revision(conn: Connection) -> str | None:
 def upgrade_to_head(engine: Engine, *, migrate_new: bool = False) -> bool:
     """Apply pending migrations; return whether anything was applied.
 
-    A new, empty SQLite ledger is created from the models in one go and stamped
-    at head instead (see :func:`_create_at_head`); ``migrate_new`` runs the
-    migrations on it instead, as tests of the migrations do.
+    A new, empty SQLite ledger is not migrated but created from the models in
+    one go and stamped at head (see :func:`_create_at_head`); ``migrate_new``
+    runs the migrations on it all the same, as tests of the migrations do.
 
     Safe when several processes (or threads) open a new ledger at once: the
     upgrade runs in one write transaction (and a PostgreSQL advisory lock) that
@@ -163,8 +164,6 @@ def _create_at_head(conn: Connection) -> None:
     then loads neither Alembic nor its template engine (0.2-0.3 s of its
     start-up here). The migrations stay the only way an existing ledger changes.
     """
-    from batchrun.ledger.models import metadata
-
     metadata.create_all(conn)
     conn.execute(text(_ALEMBIC_VERSION_DDL))
     conn.execute(text("INSERT INTO alembic_version (version_num) VALUES (:head)"), {"head": SCHEMA_HEAD})

@@ -22,6 +22,7 @@ import httpx
 import orjson
 
 from batchrun.errors import ProviderError, RetryableError, SpecError
+from batchrun.jsonutil import json_or_none
 from batchrun.providers.base import (
     JSON_HEADERS,
     PreparedRequest,
@@ -36,7 +37,6 @@ from batchrun.providers.base import (
     stream_error,
     stream_event_json,
 )
-from batchrun.jsonutil import json_or_none
 from batchrun.spec import JobSpec
 
 MESSAGES_PATH = "/messages"

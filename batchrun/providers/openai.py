@@ -10,6 +10,7 @@ import httpx
 import orjson
 
 from batchrun.errors import ProviderError, RetryableError
+from batchrun.jsonutil import json_or_none
 from batchrun.providers.base import (
     JSON_HEADERS,
     PreparedRequest,
@@ -25,7 +26,6 @@ from batchrun.providers.base import (
     stream_event_json,
 )
 from batchrun.ratelimit import parse_reset
-from batchrun.jsonutil import json_or_none
 from batchrun.spec import JobSpec
 from batchrun.validate import strict_problem
 
