@@ -1,4 +1,4 @@
-"""How fast a run may send: adaptive concurrency with slow start and a shared pause.
+"""How fast a run may send: adaptive concurrency with slow start and a shared pause, send pacing.
 
 A run opens with a few requests in flight and adds one per clean answer (slow
 start). Once ``PROBE_ANSWERS`` answers have come back clean (key, model and
@@ -12,6 +12,10 @@ decrease) and pauses all dispatch until its ``Retry-After`` has passed; waiters
 then re-enter a few at a time, bounded by the halved window — no thundering
 herd. From there the window grows by +1/window per clean answer.
 ``limit`` (the spec's concurrency) is a hard cap throughout.
+
+Within the window, :class:`SendPacer` spreads sends so that a run against a
+steady latency does not fall into lock-step; :class:`TokenBucket` and
+:class:`RequestWindow` keep ``rpm``/``tpm``.
 """
 
 from __future__ import annotations
@@ -168,6 +172,43 @@ class AdaptiveConcurrency:
             self._last_decrease = now
         pause = retry_after if retry_after is not None else DEFAULT_PAUSE_S
         self.paused_until = max(self.paused_until, now + pause)
+
+
+class SendPacer:
+    """Spreads sends out at up to ``gain`` times the rate the concurrency can sustain.
+
+    Against a steady latency, requests sent together come back together: their
+    answers are parsed and committed as one clump, their slots come back as one
+    clump, and they go out again together. Left alone the clumps merge until the
+    whole concurrency moves in lock-step, and every round trip then also waits
+    for a clump to be processed (bench/RESULTS.md, T2). Holding sends to at most
+    ``gain × concurrency / mean latency`` per second (Little's law: the most that
+    ``concurrency`` slots can carry) never slows a steady run, but a clump leaves
+    spread over that pace instead of at once. Up to ``burst`` sends go without a
+    wait. Virtual scheduling (GCRA): no lock and no task per waiter.
+    """
+
+    def __init__(self, *, gain: float = 1.2, burst_fraction: float = 0.05) -> None:
+        self.gain = gain
+        self.burst_fraction = burst_fraction
+        self.interval = 0.0  # seconds between sends at the pace; 0: not pacing (no latency known yet)
+        self.burst = 1.0
+        self._next = 0.0  # when the next send is due at the pace
+
+    def set_pace(self, concurrency: int, mean_latency_s: float) -> None:
+        """Pace for ``concurrency`` slots whose requests take ``mean_latency_s`` on average."""
+        concurrency = max(1, concurrency)
+        self.interval = max(0.0, mean_latency_s) / (concurrency * self.gain)
+        self.burst = max(1.0, concurrency * self.burst_fraction)
+
+    def delay(self) -> float:
+        """Seconds the next send should wait (0 for most); counts the send."""
+        if self.interval <= 0.0:
+            return 0.0
+        now = time.monotonic()
+        due = max(self._next, now)
+        self._next = due + self.interval
+        return max(0.0, due - (self.burst - 1.0) * self.interval - now)
 
 
 class TokenBucket:

@@ -7,7 +7,9 @@ One asyncio loop runs three things:
   batch, no request, no cost), and starts one task per other item, with at
   most ``2 × concurrency`` item tasks alive;
 - each item task sends attempts through tenacity; every attempt takes a slot
-  of the :class:`AdaptiveConcurrency` controller, so backoff sleeps hold none;
+  of the :class:`AdaptiveConcurrency` controller, so backoff sleeps hold none,
+  and then waits its turn at the :class:`SendPacer`'s pace (slots handed back
+  together do not go out together);
   a clean answer keeps its slot until it is committed, so answers paid for but
   not yet in the ledger (lost by a ``kill -9``) never exceed the concurrency;
 - the writer commits outcomes and attempts in batches (by count or every
@@ -40,6 +42,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, TypeVar
 
 import httpx
@@ -64,7 +67,7 @@ from batchrun.ledger.reconnect import ride_out
 from batchrun.providers import Provider, Reply, make_client, send
 from batchrun.providers.base import PreparedRequest, RateLimits
 from batchrun.pricing import Price, price_for
-from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SharedTokenBucket, TokenBucket
+from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SendPacer, SharedTokenBucket, TokenBucket
 from batchrun.spec import JobSpec
 from batchrun.validate import OutputValidator, feedback
 
@@ -187,6 +190,7 @@ class JobRunner:
         self._writer_done = False
         self._rng = random.Random()
         self.controller = AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency)
+        self.pacer = SendPacer()
         self.validator = OutputValidator(spec.output.schema) if spec.output.schema is not None else None
         self.price = spec.price()
         self._model_prices: dict[str, Price | None] = {}
@@ -281,7 +285,7 @@ class JobRunner:
             if self.spend_budget is not None:
                 self.spend_budget.spent = await self._ledger(self.ledger.spent_usd, self.job.id)
             for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, 2000):
-                self._note_latency(seconds)
+                self._note_latency(seconds, from_history=True)
             owns_client = self._client is None
             if self._client is None:
                 self._client = make_client(self.spec, transport=self.options.transport)
@@ -501,6 +505,8 @@ class JobRunner:
             raise _Stopped
         held: float | None = None  # USD this request holds of the spend budget
         try:
+            if pause := self.pacer.delay():
+                await asyncio.sleep(pause)
             if self.request_budget:
                 await self.request_budget.take(1)
             if self.token_budget:
@@ -652,20 +658,28 @@ class JobRunner:
             if remaining is not None and remaining <= 0 and reset:
                 self.controller.pause(reset)
 
-    def _note_latency(self, seconds: float) -> None:
-        """Track clean-answer latencies; once there are enough, cut hung requests early.
+    def _note_latency(self, seconds: float, *, from_history: bool = False) -> None:
+        """Track clean-answer latencies; once there are enough, cut hung requests early and pace sends.
 
         A non-streamed answer sends nothing until it is complete, so a hang looks
         like a slow answer until the total timeout. An attempt that takes
         ``hang_factor`` times this run's P99 (and at least ``hang_min_seconds``)
-        is treated as hung and retried instead.
+        is treated as hung and retried instead. The pace is set from the mean of
+        the latest few round trips' worth, and only once this run has answers of its
+        own (``from_history``: an earlier run's, read from the ledger), so a provider
+        that has sped up is not held to an old pace.
         """
         self._latencies.append(seconds)
         self._since_estimate += 1
         run = self.spec.run
-        if run.hang_factor <= 0 or len(self._latencies) < HANG_MIN_SAMPLES or self._since_estimate < 50:
+        if len(self._latencies) < HANG_MIN_SAMPLES or self._since_estimate < 50:
             return
         self._since_estimate = 0
+        if not from_history:
+            latest = list(islice(reversed(self._latencies), 4 * self.controller.limit))
+            self.pacer.set_pace(self.controller.limit, sum(latest) / len(latest))
+        if run.hang_factor <= 0:
+            return
         ordered = sorted(self._latencies)
         p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
         self._attempt_timeout = min(run.timeout, max(run.hang_min_seconds, run.hang_factor * p99))

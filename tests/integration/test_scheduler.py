@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, func, select
 
 from batchrun.jobs import EXIT_AUTH, EXIT_OK, EXIT_SOME_FAILED, EXIT_TEMPFAIL, RunSummary, prepare_job, run_job
 from batchrun.ledger import ItemState, Ledger
@@ -226,6 +227,63 @@ def test_outcomes_are_committed_in_batches(ledger: Ledger, server: FakeOpenAISer
         event.remove(ledger.engine, "commit", count)
     assert summary.exit_code == EXIT_OK
     assert commits < 60, commits  # claims + batched outcome writes, never one per item
+
+
+def test_slots_handed_back_together_do_not_go_out_together(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+) -> None:
+    # One slow commit mid-run holds every answer's slot, then hands them all back at once.
+    server.faults = Faults(latency_s=0.1)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(900)), concurrency=60)
+    stalled = threading.Event()
+
+    def stall_once(_conn: object) -> None:
+        if len(server.log) >= 400 and not stalled.is_set():
+            stalled.set()
+            time.sleep(0.3)
+
+    event.listen(ledger.engine, "commit", stall_once)
+    try:
+        summary = run(ledger, job_id)
+    finally:
+        event.remove(ledger.engine, "commit", stall_once)
+    assert summary.exit_code == EXIT_OK
+    assert stalled.is_set()
+    from batchrun.ledger.models import attempts
+
+    with ledger.engine.connect() as conn:  # when each request was sent, by the client's clock
+        sent = sorted(conn.execute(select(attempts.c.started_at).where(attempts.c.job_id == job_id)).scalars())
+    sent = sent[150:]
+    most_in_10ms = max(bisect.bisect_left(sent, t + 0.01) - i for i, t in enumerate(sent))
+    # Paced at 1.2 x 40 / 0.1 s with a burst of 2: ~5 sends per 10 ms, not the 40 slots at once.
+    assert most_in_10ms <= 16, most_in_10ms
+
+
+def test_the_pace_follows_a_provider_that_has_sped_up(
+    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+) -> None:
+    from batchrun.ledger.models import attempts, items
+
+    server.faults = Faults(latency_s=0.01)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(600)), concurrency=20)
+    # The job's history: 2,000 clean attempts of 1 s each (an earlier run, when the provider was slow).
+    with ledger.engine.begin() as conn:
+        item_id = conn.execute(select(func.min(items.c.id)).where(items.c.job_id == job_id)).scalar()
+        conn.execute(
+            attempts.insert(),
+            [
+                {"job_id": job_id, "item_id": item_id, "run_id": "earlier", "number": 1, "started_at": 0.0,
+                 "latency_ms": 1000.0, "status_code": 200}
+                for _ in range(2000)
+            ],
+        )
+    started = time.monotonic()
+    summary = run(ledger, job_id)
+    took = time.monotonic() - started
+    assert summary.exit_code == EXIT_OK
+    # Paced by that history, 600 sends at 1.2 x 20 slots / 1 s would take 25 s. The pace is
+    # set from this run's own answers, by the mean of the latest few round trips' worth.
+    assert took < 10, took
 
 
 def test_a_second_runner_on_the_same_job_is_refused(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from batchrun.ratelimit import PROBE_ANSWERS, AdaptiveConcurrency, RequestWindow
+import pytest
+
+from batchrun.ratelimit import PROBE_ANSWERS, AdaptiveConcurrency, RequestWindow, SendPacer
 
 
 def test_probe_answers_grow_the_window_one_by_one() -> None:
@@ -118,3 +120,26 @@ def test_request_window_never_lets_a_second_hold_more_than_its_share() -> None:
 def test_request_window_below_one_per_second_spaces_requests() -> None:
     window = RequestWindow(30)  # one every 2 s
     assert window.count == 1 and abs(window.window_s - 2.01) < 1e-9
+
+
+def test_pacer_lets_a_burst_go_then_spaces_sends_at_gain_times_what_the_slots_carry() -> None:
+    pacer = SendPacer(gain=1.2, burst_fraction=0.05)
+    assert [pacer.delay() for _ in range(50)] == [0.0] * 50  # no latency known yet: no pacing
+    pacer.set_pace(100, 0.24)  # 100 slots of 0.24 s carry 416.7/s; paced at 500/s, 5 at once
+    assert pacer.interval == pytest.approx(0.002)
+    assert pacer.burst == 5.0
+    delays = [pacer.delay() for _ in range(25)]
+    assert delays[:5] == [0.0] * 5
+    # Each later send waits one more interval (the calls take microseconds, hence abs).
+    for n, delay in enumerate(delays[5:], start=1):
+        assert delay == pytest.approx(n * 0.002, abs=0.0005)
+
+
+def test_pacer_does_not_hold_back_sends_that_come_at_its_pace() -> None:
+    pacer = SendPacer(gain=1.2, burst_fraction=0.05)
+    pacer.set_pace(10, 0.12)  # one send per 10 ms at the pace
+    waited = 0.0
+    for _ in range(20):
+        waited += pacer.delay()
+        time.sleep(0.011)
+    assert waited == 0.0
