@@ -25,3 +25,8 @@ def test_export_and_list_start_without_rich() -> None:
 def test_the_check_is_not_vacuous() -> None:
     code = "import sys, batchrun.providers\nprint('aiohttp' in sys.modules and 'httpx' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
+
+
+def test_a_run_without_a_schema_does_not_load_jsonschema() -> None:
+    code = "import sys, batchrun.jobs, batchrun.scheduler\nprint('jsonschema' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
