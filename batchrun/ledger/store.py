@@ -292,8 +292,8 @@ class Ledger:
         self.is_sqlite = engine.dialect.name == "sqlite"
         self.url = engine.url.render_as_string(hide_password=True)
         # SQLite checkpoints the whole WAL and deletes it when the *last* connection to the
-        # file closes: with a connection per write (NullPool) that was every commit. One idle
-        # connection held open keeps the WAL in place; SQLite checkpoints it as it fills.
+        # file closes. One idle connection held open keeps the WAL in place whatever the
+        # pool has open; SQLite checkpoints it as it fills.
         self._keeper = engine.raw_connection() if self.is_sqlite else None
 
     @classmethod
