@@ -198,7 +198,11 @@ class SendPacer:
     def set_pace(self, concurrency: int, mean_latency_s: float) -> None:
         """Pace for ``concurrency`` slots whose requests take ``mean_latency_s`` on average."""
         concurrency = max(1, concurrency)
-        self.interval = max(0.0, mean_latency_s) / (concurrency * self.gain)
+        interval = max(0.0, mean_latency_s) / (concurrency * self.gain)
+        now = time.monotonic()
+        if self._next > now and self.interval > 0.0:  # sends already spaced out wait at the new pace
+            self._next = now + (self._next - now) * interval / self.interval
+        self.interval = interval
         self.burst = max(1.0, concurrency * self.burst_fraction)
 
     def delay(self) -> float:

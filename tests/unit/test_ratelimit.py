@@ -143,3 +143,11 @@ def test_pacer_does_not_hold_back_sends_that_come_at_its_pace() -> None:
         waited += pacer.delay()
         time.sleep(0.011)
     assert waited == 0.0
+
+
+def test_pacer_backlog_shrinks_with_the_pace() -> None:
+    pacer = SendPacer(gain=1.0, burst_fraction=0.01)
+    pacer.set_pace(10, 1.0)  # one send per 0.1 s
+    assert [round(pacer.delay(), 2) for _ in range(4)] == [0.0, 0.1, 0.2, 0.3]
+    pacer.set_pace(10, 0.1)  # ten times faster: the 0.4 s already booked become 0.04 s
+    assert pacer.delay() == pytest.approx(0.04, abs=0.005)
