@@ -77,17 +77,6 @@ def budget_price(spec: JobSpec) -> Price | None:
     return price
 
 
-def split_estimate(tokens: int, request_bytes: int) -> tuple[int, int]:
-    """(prompt estimate, answer limit) of a provider's estimate of one request.
-
-    Providers estimate a prompt as ~4 bytes of request JSON per token and add
-    the answer limit (``max_tokens``, or their default guess when it is unset);
-    the dry run shows the two apart.
-    """
-    prompt = min(tokens, request_bytes // 4)
-    return prompt, tokens - prompt
-
-
 def unbounded_answers(spec: JobSpec) -> bool:
     """True when a template job's requests set no answer limit, so no worst case is a real bound."""
     extra = spec.request.extra

@@ -442,10 +442,14 @@ def _show_dry_run(report: DryRun, *, as_json: bool) -> None:
         click.echo(f"              ... and {report.rejected - len(report.rejections)} more")
     click.echo(f"  model     {report.model or '(as in each input line)'}")
     guess = " (no max_tokens set: the provider's default guess)" if report.unbounded_answers else " (max_tokens)"
-    click.echo(
-        f"  tokens    ~{report.prompt_tokens:,} prompt (estimated from request size), "
-        f"up to {report.max_output_tokens:,} output{guess}"
-    )
+    if report.to_send and report.prompt_counted == report.to_send:
+        how = f"{report.prompt_tokens:,} prompt (counted with tiktoken)"
+    elif report.prompt_counted:
+        how = (f"~{report.prompt_tokens:,} prompt ({report.prompt_counted:,} of {report.to_send:,} requests counted "
+               "with tiktoken, the rest estimated from request size)")
+    else:
+        how = f"~{report.prompt_tokens:,} prompt (estimated from request size)"
+    click.echo(f"  tokens    {how}, up to {report.max_output_tokens:,} output{guess}")
     price = report.price
     if report.cost_min is None or report.cost_max is None:
         models = ", ".join(sorted(report.unpriced_models))

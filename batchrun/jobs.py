@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import orjson
 
-from batchrun.budget import budget_price, split_estimate, unbounded_answers
+from batchrun.budget import budget_price, unbounded_answers
 from batchrun.errors import (
     EXIT_AUTH,
     EXIT_BUDGET,
@@ -31,6 +31,7 @@ from batchrun.pricing import Price, price_for
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
 from batchrun.spec import JobSpec, Overrides
+from batchrun import tokens as token_count
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ class DryRun:
     to_send: int = 0
     rejected: int = 0
     rejections: list[tuple[int, str]] = field(default_factory=list)  # the first few (line, reason)
-    prompt_tokens: int = 0  # estimated: ~4 bytes of request JSON per token
+    prompt_tokens: int = 0  # counted with tiktoken where it can, else ~4 bytes of request JSON per token
+    prompt_counted: int = 0  # requests whose prompt tiktoken counted
     max_output_tokens: int = 0  # the requests' answer limits (max_tokens)
     min_usd: float = 0.0  # every prompt, no answer
     max_usd: float = 0.0  # every prompt, every answer at its limit
@@ -143,7 +145,11 @@ class DryRun:
             "to_send": self.to_send,
             "rejected": self.rejected,
             "rejections": [{"line": line, "reason": reason} for line, reason in self.rejections],
-            "tokens": {"prompt": self.prompt_tokens, "max_output": self.max_output_tokens},
+            "tokens": {
+                "prompt": self.prompt_tokens,
+                "prompt_counted_requests": self.prompt_counted,
+                "max_output": self.max_output_tokens,
+            },
             "price": None
             if price is None
             else {
@@ -179,16 +185,22 @@ def dry_run(spec: JobSpec, input_path: str | os.PathLike[str], *, strict: bool =
         unbounded_answers=unbounded_answers(spec),
     )
     listed: dict[str, Price | None] = {}
+    waited: set[str] = set()
 
     def estimate(url: str | None, body: str) -> None:
         request = provider.prepare(url, body)
-        prompt, answer = split_estimate(provider.estimate_tokens(request), len(request.content))
+        model = orjson.loads(request.content).get("model")
+        model = model if isinstance(model, str) else "(none)"
+        if model not in waited:  # tiktoken's table, when it has one for the model: counted, not guessed
+            waited.add(model)
+            token_count.COUNTER.wait_for(model, timeout=10.0)
+        tokens = provider.estimate_tokens(request)
+        prompt, answer = tokens.prompt, tokens.answer
         report.prompt_tokens += prompt
+        report.prompt_counted += tokens.counted
         report.max_output_tokens += answer
         price = report.price
         if price is None:
-            model = orjson.loads(request.content).get("model")
-            model = model if isinstance(model, str) else "(none)"
             if model not in listed:
                 listed[model] = price_for(model)
             price = listed[model]

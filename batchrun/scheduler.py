@@ -500,7 +500,7 @@ class JobRunner:
                 work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
             )
         spend = self.spend_budget
-        estimate = self.provider.estimate_tokens(request) if self.token_budget or spend else 0
+        estimate = self.provider.estimate_tokens(request).total if self.token_budget or spend else 0
         if not await self.controller.acquire():
             raise _Stopped
         held: float | None = None  # USD this request holds of the spend budget

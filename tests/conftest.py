@@ -14,6 +14,10 @@ from sqlalchemy import create_engine, text
 from batchrun.ledger import Ledger
 
 PG_URL = os.environ.get("BATCHRUN_TEST_PG")
+# Prompt estimates by request size, as without the tiktoken extra: whether tiktoken could
+# fetch its tables must not change the figures tests assert. tests/unit/test_tokens.py
+# gives tiktoken's counting its own encodings.
+os.environ["BATCHRUN_TIKTOKEN"] = "0"
 
 
 def pg_schema_url(schema: str) -> str:

@@ -29,6 +29,7 @@ from batchrun.providers.base import (
     RateLimits,
     Reply,
     StreamAssembler,
+    TokenEstimate,
     error_for_status,
     estimate_tokens,
     followup_turns,
@@ -225,7 +226,8 @@ class AnthropicProvider:
             headers=headers,
         )
 
-    def estimate_tokens(self, request: PreparedRequest) -> int:
+    def estimate_tokens(self, request: PreparedRequest) -> TokenEstimate:
+        """~4 bytes of request JSON per prompt token (tiktoken does not have Claude's encoding), plus max_tokens."""
         return estimate_tokens(request.content, ("max_tokens",))
 
 

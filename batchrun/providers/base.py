@@ -10,9 +10,9 @@ import email.utils
 import functools
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 import httpx
@@ -23,6 +23,7 @@ from batchrun.errors import AuthError, PermanentError, ProviderError, RateLimite
 from batchrun.jsonutil import json_or_none
 from batchrun.redact import contains_secret, redact, redact_optional
 from batchrun.spec import JobSpec
+from batchrun.tokens import BYTES_PER_TOKEN
 
 RETRYABLE_STATUS = frozenset({408, 409, 425})
 JSON_HEADERS = {"content-type": "application/json", "accept": "application/json", "user-agent": "batchrun"}
@@ -130,8 +131,8 @@ class Provider(Protocol):
         """A Reply for a 2xx answer; raise the right ProviderError otherwise."""
         ...
 
-    def estimate_tokens(self, request: PreparedRequest) -> int:
-        """Tokens a request may use at most, before it is sent (prompt estimate + max_tokens)."""
+    def estimate_tokens(self, request: PreparedRequest) -> TokenEstimate:
+        """Tokens a request may use at most, before it is sent (prompt estimate, max_tokens)."""
         ...
 
     def stream_assembler(self) -> StreamAssembler:
@@ -371,11 +372,30 @@ def stream_event_json(data: str) -> dict[str, Any]:
     return value
 
 
-def estimate_tokens(content: bytes, limit_keys: Sequence[str]) -> int:
-    """~4 bytes of request JSON per prompt token (a documented heuristic), plus the answer's limit."""
+class TokenEstimate(NamedTuple):
+    """What a request may use at most, before it is sent."""
+
+    prompt: int  # counted with tiktoken for OpenAI models when it can, else ~4 bytes of request JSON per token
+    answer: int  # the request's answer limit (max_tokens), or DEFAULT_ANSWER_TOKENS when it sets none
+    counted: bool = False  # the prompt was counted with tiktoken, not estimated from its size
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.answer
+
+
+def estimate_tokens(
+    content: bytes,
+    limit_keys: Sequence[str],
+    exact_prompt: Callable[[dict[str, Any]], int | None] | None = None,
+) -> TokenEstimate:
+    """The prompt (``exact_prompt`` of the body when it can count it, else the byte heuristic) and the answer's limit."""
     data = orjson.loads(content)
     limit = next((data[k] for k in limit_keys if data.get(k)), DEFAULT_ANSWER_TOKENS)
-    return len(content) // 4 + int(limit)
+    prompt = exact_prompt(data) if exact_prompt is not None else None
+    if prompt is None:
+        return TokenEstimate(len(content) // BYTES_PER_TOKEN, int(limit))
+    return TokenEstimate(prompt, int(limit), counted=True)
 
 
 def int_header(value: str | None) -> int | None:

@@ -17,6 +17,7 @@ from batchrun.providers.base import (
     RateLimits,
     Reply,
     StreamAssembler,
+    TokenEstimate,
     error_for_status,
     estimate_tokens,
     followup_turns,
@@ -27,6 +28,8 @@ from batchrun.providers.base import (
 )
 from batchrun.ratelimit import parse_reset
 from batchrun.spec import JobSpec
+from batchrun import tokens
+from batchrun.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE
 from batchrun.validate import strict_problem
 
 CHAT_PATH = "/chat/completions"
@@ -174,9 +177,49 @@ class OpenAIProvider:
             headers=headers,
         )
 
-    def estimate_tokens(self, request: PreparedRequest) -> int:
-        """A documented heuristic: ~4 bytes of request JSON per prompt token, plus the answer's limit."""
-        return estimate_tokens(request.content, ("max_completion_tokens", "max_tokens"))
+    def estimate_tokens(self, request: PreparedRequest) -> TokenEstimate:
+        """The prompt counted with tiktoken when it is installed and knows the model, else ~4 bytes
+        of request JSON per token; plus the answer's limit."""
+        return estimate_tokens(request.content, ("max_completion_tokens", "max_tokens"), chat_prompt_tokens)
+
+
+def chat_prompt_tokens(data: dict[str, Any]) -> int | None:
+    """A chat request's prompt tokens in its model's encoding (OpenAI's counting recipe); None when
+    they cannot be counted here (no tiktoken, an unknown model, an image or audio part)."""
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return None
+    texts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        parts = message_texts(message.get("content"))
+        if parts is None:
+            return None
+        texts += parts
+        texts += [v for k in ("name", "tool_call_id") if isinstance(v := message.get(k), str)]
+        if message.get("tool_calls"):
+            texts.append(orjson.dumps(message["tool_calls"]).decode())
+    # Tools and a response schema are sent to the model too: counted as their JSON text.
+    texts += [orjson.dumps(data[k]).decode() for k in ("tools", "response_format") if data.get(k)]
+    counted = tokens.COUNTER.count(data.get("model"), texts)
+    return None if counted is None else counted + TOKENS_PER_MESSAGE * len(messages) + REPLY_PRIMING
+
+
+def message_texts(content: Any) -> list[str] | None:
+    """The texts of a message's content (a string, or a list of text parts); None if a part is not text."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        return None
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            return None
+        texts.append(part["text"])
+    return texts
 
 
 class ChatStreamAssembler:

@@ -21,14 +21,23 @@ from batchrun.providers.base import (
     PreparedRequest,
     Reply,
     StreamAssembler,
+    TokenEstimate,
     estimate_tokens,
     followup_turns,
     int_or_none,
     stream_error,
     stream_event_json,
 )
-from batchrun.providers.openai import OpenAIProvider, openai_error_event, openai_rate_limits, parse_openai_body
+from batchrun.providers.openai import (
+    OpenAIProvider,
+    message_texts,
+    openai_error_event,
+    openai_rate_limits,
+    parse_openai_body,
+)
 from batchrun.spec import JobSpec
+from batchrun import tokens
+from batchrun.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE
 
 RESPONSES_PATH = "/responses"
 _INCOMPLETE_FINISH = {"max_output_tokens": "length", "content_filter": "content_filter"}
@@ -139,8 +148,29 @@ class OpenAIResponsesProvider(OpenAIProvider):
             headers=headers,
         )
 
-    def estimate_tokens(self, request: PreparedRequest) -> int:
-        return estimate_tokens(request.content, ("max_output_tokens",))
+    def estimate_tokens(self, request: PreparedRequest) -> TokenEstimate:
+        """As for chat: tiktoken's count of the instructions and input when it can, else the byte heuristic."""
+        return estimate_tokens(request.content, ("max_output_tokens",), responses_prompt_tokens)
+
+
+def responses_prompt_tokens(data: dict[str, Any]) -> int | None:
+    """A Responses request's prompt tokens (instructions, input items, tools, text format); None if not countable."""
+    texts = [data["instructions"]] if isinstance(data.get("instructions"), str) else []
+    items = data.get("input")
+    if isinstance(items, str):
+        items = [{"content": items}]
+    if not isinstance(items, list):
+        return None
+    for item in items:
+        if not isinstance(item, dict):
+            return None
+        parts = message_texts(item.get("content"))
+        if parts is None:
+            return None
+        texts += parts
+    texts += [orjson.dumps(data[k]).decode() for k in ("tools", "text") if data.get(k)]
+    counted = tokens.COUNTER.count(data.get("model"), texts)
+    return None if counted is None else counted + TOKENS_PER_MESSAGE * len(items) + REPLY_PRIMING
 
 
 class ResponsesStreamAssembler:

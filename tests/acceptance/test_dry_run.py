@@ -65,7 +65,7 @@ def test_dry_run_counts_estimates_and_leaves_nothing_behind(tmp_path: Path, serv
     assert reasons[1] == "template field 'text' is missing from the record"
     assert reasons[2] == "custom_id 'r03' appears twice"
     assert reasons[3] == "blank line"
-    assert data["tokens"] == {"prompt": 20 * 25, "max_output": 20 * 50}
+    assert data["tokens"] == {"prompt": 20 * 25, "prompt_counted_requests": 0, "max_output": 20 * 50}
     # min: 500 prompt tokens at $2/M = $0.001; max: + 1,000 answer tokens at $8/M = $0.009
     assert data["cost_usd"]["min"] == pytest.approx(0.001)
     assert data["cost_usd"]["max"] == pytest.approx(0.009)
@@ -131,7 +131,7 @@ def test_dry_run_of_batch_lines_at_a_list_price(tmp_path: Path, server: FakeOpen
     data = orjson.loads(proc.stdout)
     assert (data["total"], data["to_send"], data["rejected"]) == (5, 4, 1)
     assert "only POST" in data["rejections"][0]["reason"]
-    assert data["tokens"] == {"prompt": 400, "max_output": 3 * 100 + 1024}
+    assert data["tokens"] == {"prompt": 400, "prompt_counted_requests": 0, "max_output": 3 * 100 + 1024}
     # gpt-4o-mini's list price: $0.15/M in, $0.60/M out
     assert data["cost_usd"]["min"] == pytest.approx(400 * 0.15 / 1e6)
     assert data["cost_usd"]["max"] == pytest.approx((400 * 0.15 + 1324 * 0.60) / 1e6)

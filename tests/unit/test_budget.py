@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from batchrun.budget import SpendBudget, budget_price, settled_cost, split_estimate, worst_case_rate
+from batchrun.budget import SpendBudget, budget_price, settled_cost, worst_case_rate
 from batchrun.errors import BudgetExceededError, RateLimitedError, RetryableError, SpecError
 from batchrun.pricing import Price
 from batchrun.providers import Reply
@@ -37,11 +37,6 @@ def test_settle_rule() -> None:
     assert settled_cost(held, None, None, RetryableError("reset", error_class="connection")) == held
     broken = RetryableError("cut short", status_code=200, error_class="truncated_body")
     assert settled_cost(held, None, None, broken) == held  # a 2xx whose body broke was produced and billed
-
-
-def test_split_estimate() -> None:
-    assert split_estimate(1100, 400) == (100, 1000)
-    assert split_estimate(50, 400) == (50, 0)  # never more prompt than the whole estimate
 
 
 def run(coro: object) -> object:

@@ -1,0 +1,124 @@
+"""Prompt tokens before a request is sent: exact with tiktoken for OpenAI models, else a heuristic.
+
+Without the ``tiktoken`` extra, or for a model tiktoken does not know (Claude,
+a local model behind an OpenAI-compatible server), a prompt is estimated at
+``BYTES_PER_TOKEN`` bytes of request JSON per token. That overcounts (the JSON
+keys and quoting count too), which is the safe side for a budget.
+
+tiktoken fetches an encoding's table over the network the first time it is
+used and then keeps it in its cache (``TIKTOKEN_CACHE_DIR``), with no timeout
+on the fetch. So tables are loaded on a daemon thread (:meth:`TokenCounter.preload`);
+until a table is in, and if it never comes (no network), estimates use the
+heuristic and nothing waits. ``BATCHRUN_TIKTOKEN=0`` turns tiktoken off
+(the tests do, so their figures do not depend on the network).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BYTES_PER_TOKEN = 4
+TIKTOKEN_SWITCH = "BATCHRUN_TIKTOKEN"  # "0": estimate from the request size even with tiktoken installed
+# OpenAI's chat format: each message is wrapped in a few tokens, and the reply is primed
+# with a few more (the counting recipe in OpenAI's cookbook).
+TOKENS_PER_MESSAGE = 3
+REPLY_PRIMING = 3
+
+
+def _tiktoken_encoding(name: str) -> Any:
+    import tiktoken
+
+    return tiktoken.get_encoding(name)
+
+
+def _tiktoken_encoding_name(model: str) -> str | None:
+    if os.environ.get(TIKTOKEN_SWITCH, "1") == "0":
+        return None
+    try:
+        from tiktoken.model import encoding_name_for_model
+    except ImportError:
+        return None
+    try:
+        return encoding_name_for_model(model)
+    except KeyError:
+        return None
+
+
+class TokenCounter:
+    """Counts text tokens with the model's tiktoken encoding once it is loaded; None until then."""
+
+    def __init__(
+        self,
+        load: Callable[[str], Any] = _tiktoken_encoding,
+        encoding_name: Callable[[str], str | None] = _tiktoken_encoding_name,
+    ) -> None:
+        self._load = load
+        self._encoding_name = encoding_name
+        self._names: dict[str, str | None] = {}  # model -> encoding name (None: not an OpenAI model)
+        self._encodings: dict[str, Any] = {}  # encoding name -> tiktoken.Encoding, once loaded
+        self._started: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def preload(self, models: Iterable[str]) -> list[threading.Thread]:
+        """Start loading the encodings these models use; returns the loading threads (for tests)."""
+        threads = []
+        for model in models:
+            name = self._name(model)
+            if name is None:
+                continue
+            with self._lock:
+                if name in self._started:
+                    threads.append(self._started[name])
+                    continue
+                thread = threading.Thread(target=self._load_one, args=(name,), name=f"batchrun-tiktoken-{name}", daemon=True)
+                self._started[name] = thread
+            thread.start()
+            threads.append(thread)
+        return threads
+
+    def _load_one(self, name: str) -> None:
+        try:
+            encoding = self._load(name)
+        except Exception as exc:  # offline, a proxy, a broken cache: the heuristic stays
+            log.warning(
+                "tiktoken could not load the %s encoding (%s: %s); prompt tokens are estimated from the request "
+                "size instead", name, type(exc).__name__, str(exc)[:200],
+            )
+            return
+        with self._lock:
+            self._encodings[name] = encoding
+
+    def _name(self, model: str) -> str | None:
+        if model not in self._names:
+            self._names[model] = self._encoding_name(model)
+        return self._names[model]
+
+    def wait_for(self, model: str, *, timeout: float) -> bool:
+        """Load ``model``'s encoding now, waiting at most ``timeout`` seconds; whether it is in."""
+        deadline = time.monotonic() + timeout
+        for thread in self.preload([model]):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        name = self._name(model)
+        return name is not None and name in self._encodings
+
+    def count(self, model: str | None, texts: Iterable[str]) -> int | None:
+        """Tokens of ``texts`` in ``model``'s encoding; None if it has none or it is not loaded (yet)."""
+        if not isinstance(model, str):
+            return None
+        name = self._name(model)
+        encoding = self._encodings.get(name) if name is not None else None
+        if encoding is None:
+            if name is not None and name not in self._started:
+                self.preload([model])
+            return None
+        return sum(len(encoding.encode_ordinary(text)) for text in texts)
+
+
+COUNTER = TokenCounter()
