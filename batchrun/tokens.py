@@ -52,7 +52,7 @@ def _tiktoken_encoding_name(model: str) -> str | None:
 
 
 class TokenCounter:
-    """Counts text tokens with the model's tiktoken encoding once it is loaded; None until then."""
+    """The tiktoken encodings of the models a run meets, each loaded once in the background."""
 
     def __init__(
         self,
@@ -108,17 +108,25 @@ class TokenCounter:
         name = self._name(model)
         return name is not None and name in self._encodings
 
-    def count(self, model: str | None, texts: Iterable[str]) -> int | None:
-        """Tokens of ``texts`` in ``model``'s encoding; None if it has none or it is not loaded (yet)."""
+    def encoding(self, model: Any) -> Any | None:
+        """``model``'s tiktoken encoding if it is loaded; None if it has none or it is not in (yet).
+
+        The first ask for a model starts loading its table in the background.
+        """
         if not isinstance(model, str):
             return None
         name = self._name(model)
-        encoding = self._encodings.get(name) if name is not None else None
-        if encoding is None:
-            if name is not None and name not in self._started:
-                self.preload([model])
+        if name is None:
             return None
-        return sum(len(encoding.encode_ordinary(text)) for text in texts)
+        encoding = self._encodings.get(name)
+        if encoding is None and name not in self._started:
+            self.preload([model])
+        return encoding
+
+
+def count_tokens(encoding: Any, texts: Iterable[str]) -> int:
+    """Tokens of ``texts`` in a tiktoken ``encoding`` (special tokens counted as plain text)."""
+    return sum(len(encoding.encode_ordinary(text)) for text in texts)
 
 
 COUNTER = TokenCounter()

@@ -29,7 +29,7 @@ from batchrun.providers.base import (
 from batchrun.ratelimit import parse_reset
 from batchrun.spec import JobSpec
 from batchrun import tokens
-from batchrun.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE
+from batchrun.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, count_tokens
 from batchrun.validate import strict_problem
 
 CHAT_PATH = "/chat/completions"
@@ -187,7 +187,8 @@ def chat_prompt_tokens(data: dict[str, Any]) -> int | None:
     """A chat request's prompt tokens in its model's encoding (OpenAI's counting recipe); None when
     they cannot be counted here (no tiktoken, an unknown model, an image or audio part)."""
     messages = data.get("messages")
-    if not isinstance(messages, list):
+    encoding = tokens.COUNTER.encoding(data.get("model"))
+    if encoding is None or not isinstance(messages, list):
         return None
     texts: list[str] = []
     for message in messages:
@@ -202,8 +203,7 @@ def chat_prompt_tokens(data: dict[str, Any]) -> int | None:
             texts.append(orjson.dumps(message["tool_calls"]).decode())
     # Tools and a response schema are sent to the model too: counted as their JSON text.
     texts += [orjson.dumps(data[k]).decode() for k in ("tools", "response_format") if data.get(k)]
-    counted = tokens.COUNTER.count(data.get("model"), texts)
-    return None if counted is None else counted + TOKENS_PER_MESSAGE * len(messages) + REPLY_PRIMING
+    return count_tokens(encoding, texts) + TOKENS_PER_MESSAGE * len(messages) + REPLY_PRIMING
 
 
 def message_texts(content: Any) -> list[str] | None:

@@ -37,7 +37,7 @@ from batchrun.providers.openai import (
 )
 from batchrun.spec import JobSpec
 from batchrun import tokens
-from batchrun.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE
+from batchrun.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, count_tokens
 
 RESPONSES_PATH = "/responses"
 _INCOMPLETE_FINISH = {"max_output_tokens": "length", "content_filter": "content_filter"}
@@ -155,6 +155,9 @@ class OpenAIResponsesProvider(OpenAIProvider):
 
 def responses_prompt_tokens(data: dict[str, Any]) -> int | None:
     """A Responses request's prompt tokens (instructions, input items, tools, text format); None if not countable."""
+    encoding = tokens.COUNTER.encoding(data.get("model"))
+    if encoding is None:
+        return None
     texts = [data["instructions"]] if isinstance(data.get("instructions"), str) else []
     items = data.get("input")
     if isinstance(items, str):
@@ -169,8 +172,7 @@ def responses_prompt_tokens(data: dict[str, Any]) -> int | None:
             return None
         texts += parts
     texts += [orjson.dumps(data[k]).decode() for k in ("tools", "text") if data.get(k)]
-    counted = tokens.COUNTER.count(data.get("model"), texts)
-    return None if counted is None else counted + TOKENS_PER_MESSAGE * len(items) + REPLY_PRIMING
+    return count_tokens(encoding, texts) + TOKENS_PER_MESSAGE * len(items) + REPLY_PRIMING
 
 
 class ResponsesStreamAssembler:
