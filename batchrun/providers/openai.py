@@ -186,24 +186,28 @@ class OpenAIProvider:
 def chat_prompt_tokens(data: dict[str, Any]) -> int | None:
     """A chat request's prompt tokens in its model's encoding (OpenAI's counting recipe); None when
     they cannot be counted here (no tiktoken, an unknown model, an image or audio part)."""
-    messages = data.get("messages")
+    return counted_prompt(data, data.get("messages"), ("tools", "response_format"))
+
+
+def counted_prompt(data: dict[str, Any], turns: Any, extra_keys: Sequence[str], lead: Sequence[str] = ()) -> int | None:
+    """Tokens of ``lead``, the ``turns`` (messages or input items) and the JSON of ``extra_keys``
+    (tools, a response schema: sent to the model too), plus OpenAI's tokens around each turn."""
     encoding = tokens.COUNTER.encoding(data.get("model"))
-    if encoding is None or not isinstance(messages, list):
+    if encoding is None or not isinstance(turns, list):
         return None
-    texts: list[str] = []
-    for message in messages:
-        if not isinstance(message, dict):
+    texts = list(lead)
+    for turn in turns:
+        if not isinstance(turn, dict):
             return None
-        parts = message_texts(message.get("content"))
+        parts = message_texts(turn.get("content"))
         if parts is None:
             return None
         texts += parts
-        texts += [v for k in ("name", "tool_call_id") if isinstance(v := message.get(k), str)]
-        if message.get("tool_calls"):
-            texts.append(orjson.dumps(message["tool_calls"]).decode())
-    # Tools and a response schema are sent to the model too: counted as their JSON text.
-    texts += [orjson.dumps(data[k]).decode() for k in ("tools", "response_format") if data.get(k)]
-    return count_tokens(encoding, texts) + TOKENS_PER_MESSAGE * len(messages) + REPLY_PRIMING
+        texts += [v for k in ("name", "tool_call_id") if isinstance(v := turn.get(k), str)]
+        if turn.get("tool_calls"):
+            texts.append(orjson.dumps(turn["tool_calls"]).decode())
+    texts += [orjson.dumps(data[k]).decode() for k in extra_keys if data.get(k)]
+    return count_tokens(encoding, texts) + TOKENS_PER_MESSAGE * len(turns) + REPLY_PRIMING
 
 
 def message_texts(content: Any) -> list[str] | None:

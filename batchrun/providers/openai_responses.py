@@ -30,14 +30,12 @@ from batchrun.providers.base import (
 )
 from batchrun.providers.openai import (
     OpenAIProvider,
-    message_texts,
+    counted_prompt,
     openai_error_event,
     openai_rate_limits,
     parse_openai_body,
 )
 from batchrun.spec import JobSpec
-from batchrun import tokens
-from batchrun.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, count_tokens
 
 RESPONSES_PATH = "/responses"
 _INCOMPLETE_FINISH = {"max_output_tokens": "length", "content_filter": "content_filter"}
@@ -155,24 +153,9 @@ class OpenAIResponsesProvider(OpenAIProvider):
 
 def responses_prompt_tokens(data: dict[str, Any]) -> int | None:
     """A Responses request's prompt tokens (instructions, input items, tools, text format); None if not countable."""
-    encoding = tokens.COUNTER.encoding(data.get("model"))
-    if encoding is None:
-        return None
-    texts = [data["instructions"]] if isinstance(data.get("instructions"), str) else []
     items = data.get("input")
-    if isinstance(items, str):
-        items = [{"content": items}]
-    if not isinstance(items, list):
-        return None
-    for item in items:
-        if not isinstance(item, dict):
-            return None
-        parts = message_texts(item.get("content"))
-        if parts is None:
-            return None
-        texts += parts
-    texts += [orjson.dumps(data[k]).decode() for k in ("tools", "text") if data.get(k)]
-    return count_tokens(encoding, texts) + TOKENS_PER_MESSAGE * len(items) + REPLY_PRIMING
+    lead = [data["instructions"]] if isinstance(data.get("instructions"), str) else []
+    return counted_prompt(data, [{"content": items}] if isinstance(items, str) else items, ("tools", "text"), lead)
 
 
 class ResponsesStreamAssembler:
