@@ -24,7 +24,7 @@ import asyncio
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 DEFAULT_PAUSE_S = 1.0
 PROBE_ANSWERS = 4  # clean answers before slow start opens to the cap
@@ -194,6 +194,20 @@ class SendPacer:
         self.interval = 0.0  # seconds between sends at the pace; 0: not pacing (no latency known yet)
         self.burst = 1.0
         self._next = 0.0  # when the next send is due at the pace
+
+    def follow(self, latencies: Sequence[float], concurrency: int, *, recent: int = 50) -> None:
+        """Pace by the latest answers' latencies (oldest first).
+
+        The mean of the latest ``4 × concurrency`` sets the pace, or the mean of the
+        latest ``recent`` when that is lower: a provider that speeds up is followed at
+        once, one that slows down over a few round trips (meanwhile the pace is only
+        looser than it need be, never tighter).
+        """
+        if not latencies:
+            return
+        window = latencies[-4 * max(1, concurrency):]
+        latest = latencies[-recent:]
+        self.set_pace(concurrency, min(sum(window) / len(window), sum(latest) / len(latest)))
 
     def set_pace(self, concurrency: int, mean_latency_s: float) -> None:
         """Pace for ``concurrency`` slots whose requests take ``mean_latency_s`` on average."""

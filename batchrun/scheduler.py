@@ -42,7 +42,6 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any, TypeVar
 
 import httpx
@@ -664,9 +663,9 @@ class JobRunner:
         A non-streamed answer sends nothing until it is complete, so a hang looks
         like a slow answer until the total timeout. An attempt that takes
         ``hang_factor`` times this run's P99 (and at least ``hang_min_seconds``)
-        is treated as hung and retried instead. The pace is set from the mean of
-        the latest few round trips' worth, and only once this run has answers of its
-        own (``from_history``: an earlier run's, read from the ledger), so a provider
+        is treated as hung and retried instead. The pace follows the latest answers
+        (:meth:`SendPacer.follow`), and only once this run has answers of its own
+        (``from_history``: an earlier run's, read from the ledger), so a provider
         that has sped up is not held to an old pace.
         """
         self._latencies.append(seconds)
@@ -676,8 +675,7 @@ class JobRunner:
             return
         self._since_estimate = 0
         if not from_history:
-            latest = list(islice(reversed(self._latencies), 4 * self.controller.limit))
-            self.pacer.set_pace(self.controller.limit, sum(latest) / len(latest))
+            self.pacer.follow(list(self._latencies), self.controller.limit)
         if run.hang_factor <= 0:
             return
         ordered = sorted(self._latencies)

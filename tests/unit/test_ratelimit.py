@@ -151,3 +151,11 @@ def test_pacer_backlog_shrinks_with_the_pace() -> None:
     assert [round(pacer.delay(), 2) for _ in range(4)] == [0.0, 0.1, 0.2, 0.3]
     pacer.set_pace(10, 0.1)  # ten times faster: the 0.4 s already booked become 0.04 s
     assert pacer.delay() == pytest.approx(0.04, abs=0.005)
+
+
+def test_pace_follows_a_speed_up_at_once_and_a_slow_down_over_a_few_round_trips() -> None:
+    pacer = SendPacer(gain=1.0, burst_fraction=0.01)
+    pacer.follow([1.0] * 2000 + [0.01] * 50, 100)  # the provider became 100x faster
+    assert pacer.interval == pytest.approx(0.01 / 100)
+    pacer.follow([0.01] * 2000 + [1.0] * 50, 100)  # it became slower: the latest 400 answers' mean
+    assert pacer.interval == pytest.approx((350 * 0.01 + 50 * 1.0) / 400 / 100)
