@@ -6,10 +6,19 @@ plain path is a SQLite file. Exit codes are those of DESIGN.md.
 
 from __future__ import annotations
 
+import gc
+
+# Importing this module is starting the command. The imports below (and a run's, later)
+# make ~120,000 objects that live as long as the process; at the default threshold the
+# cyclic collector walked them ~400 times on the way, ~10% of the start-up (bench/RESULTS.md).
+# A run puts the default back once they are frozen (_run_loop).
+STARTUP_GC_THRESHOLD = (50_000, 20, 20)
+RUN_GC_THRESHOLD = gc.get_threshold()
+gc.set_threshold(*STARTUP_GC_THRESHOLD)
+
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import os
 import signal
@@ -247,9 +256,11 @@ def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
     The objects made so far (modules, the spec) live as long as the process, so
     the cyclic garbage collector stops walking them: its full collections paused
     the loop for 40-100 ms several times a run while every answer waited, and
-    about half as long once these are frozen (bench/RESULTS.md, T2).
+    about half as long once these are frozen (bench/RESULTS.md, T2). The run
+    collects at the default thresholds again (start-up raised them).
     """
     gc.freeze()
+    gc.set_threshold(*RUN_GC_THRESHOLD)
     try:
         import uvloop
     except ImportError:
