@@ -125,19 +125,24 @@ def _custom_id(record: Mapping[str, Any], line: int) -> str:
 def _parse_line(raw: bytes | None, max_bytes: int) -> dict[str, Any]:
     if raw is None:
         raise _BadLine("too_large", f"line is longer than the limit of {max_bytes} bytes ([run] max_line_bytes)")
-    if not raw.strip():
-        raise _BadLine("blank", "blank line")
     try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _BadLine("invalid_utf8", f"not valid UTF-8 at byte {exc.start}") from None
-    try:
-        record = orjson.loads(raw)
+        record = orjson.loads(raw)  # also refuses invalid UTF-8 and blank lines: told apart below
     except orjson.JSONDecodeError as exc:
-        raise _BadLine("invalid_json", f"not valid JSON: {exc}") from None
+        raise _refused(raw, exc) from None
     if not isinstance(record, dict):
         raise _BadLine("not_an_object", f"expected a JSON object, got {type(record).__name__}")
     return record
+
+
+def _refused(raw: bytes, exc: orjson.JSONDecodeError) -> _BadLine:
+    """Why orjson refused a line: blank, not UTF-8, else not JSON."""
+    if not raw.strip():
+        return _BadLine("blank", "blank line")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return _BadLine("invalid_utf8", f"not valid UTF-8 at byte {bad.start}")
+    return _BadLine("invalid_json", f"not valid JSON: {exc}")
 
 
 def check_input(
