@@ -30,6 +30,10 @@ DEFAULT_PAUSE_S = 1.0
 PROBE_ANSWERS = 4  # clean answers before slow start opens to the cap
 DECREASE_EVERY_S = 1.0
 OPEN_STEP_S = 0.005  # how often the window grows while it opens
+# Sends the pacer lets go at once, at the least. Below it, answers that happen to come
+# back together (latencies vary) would wait: at concurrency 1-20 with exponential
+# latencies a burst of 1 cost 5-17% of the throughput in a simulation, 8 costs < 1%.
+MIN_PACE_BURST = 8.0
 
 
 class AdaptiveConcurrency:
@@ -217,7 +221,7 @@ class SendPacer:
         if self._next > now and self.interval > 0.0:  # sends already spaced out wait at the new pace
             self._next = now + (self._next - now) * interval / self.interval
         self.interval = interval
-        self.burst = max(1.0, concurrency * self.burst_fraction)
+        self.burst = max(MIN_PACE_BURST, concurrency * self.burst_fraction)
 
     def delay(self) -> float:
         """Seconds the next send should wait (0 for most); counts the send."""

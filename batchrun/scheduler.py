@@ -78,6 +78,7 @@ OUTAGE_AFTER_FAILURES = 20  # failed attempts in a row, across items, that mean 
 OUTAGE_MAX_PAUSE_S = 30.0
 _NO_VALUE = object()
 HANG_MIN_SAMPLES = 50
+PACE_EVERY = 50  # this run's clean answers between two settings of the send pace
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,7 @@ class JobRunner:
         self._outage_grown = 0.0
         self._latencies: deque[float] = deque(maxlen=2000)
         self._since_estimate = 0
+        self._own_answers = 0  # this run's clean answers (the pace is set from them, not the ledger's)
         self._attempt_timeout = spec.run.timeout
         self._cache_scope = cache_scope(provider.kind, spec.provider.anthropic_version)
         # Flush often enough that slots held by committed-to-be answers come back quickly.
@@ -241,6 +243,8 @@ class JobRunner:
     def set_concurrency(self, limit: int) -> None:
         """A new cap on requests in flight (a worker sharing its slots among jobs); never above the spec's."""
         self.controller.set_limit(min(limit, self.spec.run.concurrency))
+        if self.pacer.interval > 0.0:  # the pace is what the slots carry: re-set it for their new number
+            self.pacer.follow(list(self._latencies), self.controller.limit)
 
     async def _ledger(self, fn: Callable[..., T], *args: Any) -> T:
         return await self._on_thread(self._db, fn, *args)
@@ -669,13 +673,15 @@ class JobRunner:
         that has sped up is not held to an old pace.
         """
         self._latencies.append(seconds)
+        if not from_history:
+            self._own_answers += 1
+            if self._own_answers % PACE_EVERY == 0:
+                self.pacer.follow(list(self._latencies), self.controller.limit)
         self._since_estimate += 1
         run = self.spec.run
         if len(self._latencies) < HANG_MIN_SAMPLES or self._since_estimate < 50:
             return
         self._since_estimate = 0
-        if not from_history:
-            self.pacer.follow(list(self._latencies), self.controller.limit)
         if run.hang_factor <= 0:
             return
         ordered = sorted(self._latencies)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from batchrun.ratelimit import PROBE_ANSWERS, AdaptiveConcurrency, RequestWindow, SendPacer
+from batchrun.ratelimit import MIN_PACE_BURST, PROBE_ANSWERS, AdaptiveConcurrency, RequestWindow, SendPacer
 
 
 def test_probe_answers_grow_the_window_one_by_one() -> None:
@@ -125,14 +125,16 @@ def test_request_window_below_one_per_second_spaces_requests() -> None:
 def test_pacer_lets_a_burst_go_then_spaces_sends_at_gain_times_what_the_slots_carry() -> None:
     pacer = SendPacer(gain=1.2, burst_fraction=0.05)
     assert [pacer.delay() for _ in range(50)] == [0.0] * 50  # no latency known yet: no pacing
-    pacer.set_pace(100, 0.24)  # 100 slots of 0.24 s carry 416.7/s; paced at 500/s, 5 at once
-    assert pacer.interval == pytest.approx(0.002)
-    assert pacer.burst == 5.0
-    delays = [pacer.delay() for _ in range(25)]
-    assert delays[:5] == [0.0] * 5
+    pacer.set_pace(400, 0.48)  # 400 slots of 0.48 s carry 833/s; paced at 1,000/s, 20 at once
+    assert pacer.interval == pytest.approx(0.001)
+    assert pacer.burst == 20.0
+    delays = [pacer.delay() for _ in range(40)]
+    assert delays[:20] == [0.0] * 20
     # Each later send waits one more interval (the calls take microseconds, hence abs).
-    for n, delay in enumerate(delays[5:], start=1):
-        assert delay == pytest.approx(n * 0.002, abs=0.0005)
+    for n, delay in enumerate(delays[20:], start=1):
+        assert delay == pytest.approx(n * 0.001, abs=0.0005)
+    pacer.set_pace(10, 0.12)
+    assert pacer.burst == MIN_PACE_BURST  # a few answers coming back together never wait
 
 
 def test_pacer_does_not_hold_back_sends_that_come_at_its_pace() -> None:
@@ -147,9 +149,9 @@ def test_pacer_does_not_hold_back_sends_that_come_at_its_pace() -> None:
 
 def test_pacer_backlog_shrinks_with_the_pace() -> None:
     pacer = SendPacer(gain=1.0, burst_fraction=0.01)
-    pacer.set_pace(10, 1.0)  # one send per 0.1 s
-    assert [round(pacer.delay(), 2) for _ in range(4)] == [0.0, 0.1, 0.2, 0.3]
-    pacer.set_pace(10, 0.1)  # ten times faster: the 0.4 s already booked become 0.04 s
+    pacer.set_pace(10, 1.0)  # one send per 0.1 s, 8 at once
+    assert [round(pacer.delay(), 2) for _ in range(11)] == [0.0] * 8 + [0.1, 0.2, 0.3]
+    pacer.set_pace(10, 0.1)  # ten times faster: the 0.4 s booked beyond the burst become 0.04 s
     assert pacer.delay() == pytest.approx(0.04, abs=0.005)
 
 
