@@ -64,6 +64,7 @@ class TokenCounter:
         self._names: dict[str, str | None] = {}  # model -> encoding name (None: not an OpenAI model)
         self._encodings: dict[str, Any] = {}  # encoding name -> tiktoken.Encoding, once loaded
         self._started: dict[str, threading.Thread] = {}
+        self._waited: set[str] = set()
         self._lock = threading.Lock()
 
     def preload(self, models: Iterable[str]) -> list[threading.Thread]:
@@ -101,12 +102,17 @@ class TokenCounter:
         return self._names[model]
 
     def wait_for(self, model: str, *, timeout: float) -> bool:
-        """Load ``model``'s encoding now, waiting at most ``timeout`` seconds; whether it is in."""
-        deadline = time.monotonic() + timeout
-        for thread in self.preload([model]):
-            thread.join(max(0.0, deadline - time.monotonic()))
+        """Load ``model``'s encoding now, waiting at most ``timeout`` seconds (once per encoding:
+        models sharing a table that does not come do not wait again); whether it is in."""
         name = self._name(model)
-        return name is not None and name in self._encodings
+        if name is None:
+            return False
+        if name not in self._waited:
+            self._waited.add(name)
+            deadline = time.monotonic() + timeout
+            for thread in self.preload([model]):
+                thread.join(max(0.0, deadline - time.monotonic()))
+        return name in self._encodings
 
     def encoding(self, model: Any) -> Any | None:
         """``model``'s tiktoken encoding if it is loaded; None if it has none or it is not in (yet).

@@ -189,25 +189,34 @@ def chat_prompt_tokens(data: dict[str, Any]) -> int | None:
     return counted_prompt(data, data.get("messages"), ("tools", "response_format"))
 
 
+# What a chat message or a Responses message item may hold for its prompt to be counted;
+# anything else (audio, a function call's output item, ...) leaves the estimate to request size.
+COUNTABLE_TURN_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "type"})
+
+
 def counted_prompt(data: dict[str, Any], turns: Any, extra_keys: Sequence[str], lead: Sequence[str] = ()) -> int | None:
-    """Tokens of ``lead``, the ``turns`` (messages or input items) and the JSON of ``extra_keys``
-    (tools, a response schema: sent to the model too), plus OpenAI's tokens around each turn."""
+    """Tokens of the ``lead`` messages (instructions), the ``turns`` (chat messages or Responses
+    message items) and the JSON of ``extra_keys`` (tools, a response schema: sent to the model
+    too), in OpenAI's counting recipe: every value of a message, 3 tokens around each message,
+    1 more for a name, 3 to prime the reply. None when something is not plain text."""
     encoding = tokens.COUNTER.encoding(data.get("model"))
     if encoding is None or not isinstance(turns, list):
         return None
     texts = list(lead)
+    names = 0
     for turn in turns:
-        if not isinstance(turn, dict):
+        if not isinstance(turn, dict) or not turn.keys() <= COUNTABLE_TURN_KEYS or turn.get("type", "message") != "message":
             return None
         parts = message_texts(turn.get("content"))
         if parts is None:
             return None
         texts += parts
-        texts += [v for k in ("name", "tool_call_id") if isinstance(v := turn.get(k), str)]
+        texts += [v for k in ("role", "name", "tool_call_id") if isinstance(v := turn.get(k), str)]
+        names += "name" in turn
         if turn.get("tool_calls"):
             texts.append(orjson.dumps(turn["tool_calls"]).decode())
     texts += [orjson.dumps(data[k]).decode() for k in extra_keys if data.get(k)]
-    return count_tokens(encoding, texts) + TOKENS_PER_MESSAGE * len(turns) + REPLY_PRIMING
+    return count_tokens(encoding, texts) + TOKENS_PER_MESSAGE * (len(lead) + len(turns)) + names + REPLY_PRIMING
 
 
 def message_texts(content: Any) -> list[str] | None:

@@ -54,8 +54,11 @@ def test_a_chat_prompt_is_counted_in_the_models_encoding(counter: TokenCounter) 
             "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "héllo"}]}]}
     p, request = prepared("openai", body)
     estimate = p.estimate_tokens(request)  # type: ignore[attr-defined]
-    # 8 + 6 bytes of text, 3 per message around them, 3 to prime the reply.
-    assert (estimate.prompt, estimate.answer, estimate.counted) == (8 + 6 + 2 * 3 + 3, 50, True)
+    # The texts and roles (8 + 6 and 6 + 4 bytes), 3 per message around them, 3 to prime the reply.
+    assert (estimate.prompt, estimate.answer, estimate.counted) == (8 + 6 + 6 + 4 + 2 * 3 + 3, 50, True)
+    named = {**body, "messages": [{"role": "user", "name": "ann", "content": "hi"}]}
+    p, request = prepared("openai", named)
+    assert p.estimate_tokens(request).prompt == 2 + 4 + 3 + 3 + 1 + 3  # a name: its text and 1 more
 
 
 def test_a_responses_prompt_is_counted_too(counter: TokenCounter) -> None:
@@ -63,7 +66,8 @@ def test_a_responses_prompt_is_counted_too(counter: TokenCounter) -> None:
     p, request = prepared("openai-responses", {"model": "gpt-4.1", "instructions": "be brief", "input": "hello",
                                                "max_output_tokens": 20})
     estimate = p.estimate_tokens(request)  # type: ignore[attr-defined]
-    assert (estimate.prompt, estimate.answer, estimate.counted) == (8 + 5 + 3 + 3, 20, True)
+    # The instructions count as one message and the input as another.
+    assert (estimate.prompt, estimate.answer, estimate.counted) == (8 + 5 + 2 * 3 + 3, 20, True)
 
 
 @pytest.mark.parametrize(
@@ -73,6 +77,9 @@ def test_a_responses_prompt_is_counted_too(counter: TokenCounter) -> None:
         ("openai", {"model": "gpt-4o", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}),  # an image is not text
         ("anthropic", {"model": "gpt-4o", "max_tokens": 10, "messages": [{"role": "user", "content": "hello"}]}),
+        ("openai-responses", {"model": "gpt-4o", "input": [  # a tool's output item: not a message
+            {"type": "function_call_output", "call_id": "c1", "output": "x" * 5000}]}),
+        ("openai", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi", "audio": {"id": "a1"}}]}),
     ],
 )
 def test_what_cannot_be_counted_is_estimated_from_its_size(counter: TokenCounter, kind: str, body: dict[str, object]) -> None:
@@ -140,6 +147,17 @@ def test_a_dry_run_counts_with_tiktoken_and_says_so(
     }) + b"\n" for i in range(3)))
     report = dry_run(spec_for_batch_input(Overrides(base_url="http://127.0.0.1:9/v1")), path)
     assert report.prompt_counted == 3
-    assert report.prompt_tokens == (2 + 4 + 6) + 3 * (3 + 3)  # the texts' bytes, 3 per message, 3 per reply
+    # The texts' and roles' bytes, 3 per message, 3 per reply.
+    assert report.prompt_tokens == (2 + 4 + 6) + 3 * (4 + 3 + 3)
     _show_dry_run(report, as_json=False)
-    assert "  tokens    30 prompt (counted with tiktoken), up to 30 output (max_tokens)" in capsys.readouterr().out
+    assert "  tokens    42 prompt (counted with tiktoken), up to 30 output (max_tokens)" in capsys.readouterr().out
+
+
+def test_a_table_that_never_comes_is_waited_for_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    never = threading.Event()
+    counter = TokenCounter(load=lambda name: never.wait(), encoding_name=openai_model)  # a fetch that hangs
+    started = time.monotonic()
+    assert counter.wait_for("gpt-4o", timeout=0.3) is False
+    assert counter.wait_for("gpt-4o-mini", timeout=0.3) is False  # the same table: no second wait
+    assert time.monotonic() - started < 0.55
+    never.set()
