@@ -6,19 +6,10 @@ plain path is a SQLite file. Exit codes are those of DESIGN.md.
 
 from __future__ import annotations
 
-import gc
-
-# Importing this module is starting the command. The imports below (and a run's, later)
-# make ~120,000 objects that live as long as the process; at the default threshold the
-# cyclic collector walked them ~400 times on the way, ~10% of the start-up (bench/RESULTS.md).
-# A run puts the default back once they are frozen (_run_loop).
-STARTUP_GC_THRESHOLD = (50_000, 20, 20)
-RUN_GC_THRESHOLD = gc.get_threshold()
-gc.set_threshold(*STARTUP_GC_THRESHOLD)
-
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import signal
@@ -52,6 +43,7 @@ if TYPE_CHECKING:
 # that send requests, so status/list/export start fast.
 
 F = TypeVar("F", bound=Callable[..., Any])
+RUN_GC_THRESHOLD = (700, 10, 10)  # CPython's defaults
 T = TypeVar("T")
 
 
@@ -260,7 +252,7 @@ def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
     collects at the default thresholds again (start-up raised them).
     """
     gc.freeze()
-    gc.set_threshold(*RUN_GC_THRESHOLD)
+    gc.set_threshold(*RUN_GC_THRESHOLD)  # the command raised it for its start-up (batchrun/__main__.py)
     try:
         import uvloop
     except ImportError:

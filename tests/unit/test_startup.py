@@ -30,3 +30,9 @@ def test_the_check_is_not_vacuous() -> None:
 def test_a_run_without_a_schema_does_not_load_jsonschema() -> None:
     code = "import sys, batchrun.jobs, batchrun.scheduler\nprint('jsonschema' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_importing_the_cli_leaves_the_garbage_collector_alone() -> None:
+    # Only the command (batchrun/__main__.py) raises the threshold for its start-up.
+    code = "import gc\nbefore = gc.get_threshold()\nimport batchrun.cli\nprint(gc.get_threshold() == before)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
