@@ -8,31 +8,32 @@ import sys
 RUN_MACHINERY = ("aiohttp", "httpx", "httpx_sse", "jsonschema", "alembic", "sqlalchemy.orm")
 
 
+def fresh_python(code: str) -> str:
+    """What ``code`` prints in a new interpreter (nothing imported yet)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def test_cli_import_leaves_the_http_stack_and_the_orm_out() -> None:
     code = (
         "import sys, batchrun.cli, batchrun.export, batchrun.report\n"
         f"print(','.join(m for m in {RUN_MACHINERY!r} if m in sys.modules))"
     )
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert loaded == ""
+    assert fresh_python(code) == ""
 
 
 def test_export_and_list_start_without_rich() -> None:
-    code = "import sys, batchrun.cli, batchrun.export\nprint('rich' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert fresh_python("import sys, batchrun.cli, batchrun.export\nprint('rich' in sys.modules)") == "False"
 
 
 def test_the_check_is_not_vacuous() -> None:
-    code = "import sys, batchrun.providers\nprint('aiohttp' in sys.modules and 'httpx' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
+    assert fresh_python("import sys, batchrun.providers\nprint('aiohttp' in sys.modules and 'httpx' in sys.modules)") == "True"
 
 
 def test_a_run_without_a_schema_does_not_load_jsonschema() -> None:
-    code = "import sys, batchrun.jobs, batchrun.scheduler\nprint('jsonschema' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert fresh_python("import sys, batchrun.jobs, batchrun.scheduler\nprint('jsonschema' in sys.modules)") == "False"
 
 
 def test_importing_the_cli_leaves_the_garbage_collector_alone() -> None:
     # Only the command (batchrun/__main__.py) raises the threshold for its start-up.
     code = "import gc\nbefore = gc.get_threshold()\nimport batchrun.cli\nprint(gc.get_threshold() == before)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
+    assert fresh_python(code) == "True"
