@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 # that send requests, so status/list/export start fast.
 
 F = TypeVar("F", bound=Callable[..., Any])
-RUN_GC_THRESHOLD = (700, 10, 10)  # CPython's defaults
 T = TypeVar("T")
+RUN_GC_THRESHOLD = (700, 10, 10)  # CPython's defaults
 
 
 def _fail(exc: BatchrunError) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import orjson
 
+from batchrun import tokens as token_count
 from batchrun.budget import budget_price, unbounded_answers
 from batchrun.errors import (
     EXIT_AUTH,
@@ -31,7 +32,6 @@ from batchrun.pricing import Price, price_for
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
 from batchrun.spec import JobSpec, Overrides
-from batchrun import tokens as token_count
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def dry_run(spec: JobSpec, input_path: str | os.PathLike[str], *, strict: bool =
 
     def estimate(url: str | None, body: str) -> None:
         request = provider.prepare(url, body)
-        model = orjson.loads(request.content).get("model")
+        model = spec.provider.model or orjson.loads(request.content).get("model")  # the spec's model is in every body
         model = model if isinstance(model, str) else "(none)"
         if model not in waited:  # tiktoken's table, when it has one for the model: counted, not guessed
             waited.add(model)

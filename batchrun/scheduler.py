@@ -679,11 +679,9 @@ class JobRunner:
                 self.pacer.follow(list(self._latencies), self.controller.limit)
         self._since_estimate += 1
         run = self.spec.run
-        if len(self._latencies) < HANG_MIN_SAMPLES or self._since_estimate < 50:
+        if run.hang_factor <= 0 or len(self._latencies) < HANG_MIN_SAMPLES or self._since_estimate < 50:
             return
         self._since_estimate = 0
-        if run.hang_factor <= 0:
-            return
         ordered = sorted(self._latencies)
         p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
         self._attempt_timeout = min(run.timeout, max(run.hang_min_seconds, run.hang_factor * p99))

@@ -7,7 +7,7 @@ keys and quoting count too), which is the safe side for a budget.
 
 tiktoken fetches an encoding's table over the network the first time it is
 used and then keeps it in its cache (``TIKTOKEN_CACHE_DIR``), with no timeout
-on the fetch. So tables are loaded on a daemon thread (:meth:`TokenCounter.preload`);
+on the fetch. So tables are loaded on a daemon thread (``TokenCounter._loading``);
 until a table is in, and if it never comes (no network), estimates use the
 heuristic and nothing waits. ``BATCHRUN_TIKTOKEN=0`` turns tiktoken off
 (the tests do, so their figures do not depend on the network).
@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -67,22 +66,15 @@ class TokenCounter:
         self._waited: set[str] = set()
         self._lock = threading.Lock()
 
-    def preload(self, models: Iterable[str]) -> list[threading.Thread]:
-        """Start loading the encodings these models use; returns the loading threads (for tests)."""
-        threads = []
-        for model in models:
-            name = self._name(model)
-            if name is None:
-                continue
-            with self._lock:
-                if name in self._started:
-                    threads.append(self._started[name])
-                    continue
+    def _loading(self, name: str) -> threading.Thread:
+        """The thread loading encoding ``name``, started on the first call."""
+        with self._lock:
+            thread = self._started.get(name)
+            if thread is None:
                 thread = threading.Thread(target=self._load_one, args=(name,), name=f"batchrun-tiktoken-{name}", daemon=True)
                 self._started[name] = thread
-            thread.start()
-            threads.append(thread)
-        return threads
+                thread.start()
+        return thread
 
     def _load_one(self, name: str) -> None:
         try:
@@ -109,9 +101,7 @@ class TokenCounter:
             return False
         if name not in self._waited:
             self._waited.add(name)
-            deadline = time.monotonic() + timeout
-            for thread in self.preload([model]):
-                thread.join(max(0.0, deadline - time.monotonic()))
+            self._loading(name).join(timeout)
         return name in self._encodings
 
     def encoding(self, model: Any) -> Any | None:
@@ -125,8 +115,8 @@ class TokenCounter:
         if name is None:
             return None
         encoding = self._encodings.get(name)
-        if encoding is None and name not in self._started:
-            self.preload([model])
+        if encoding is None:
+            self._loading(name)
         return encoding
 
 

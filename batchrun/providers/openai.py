@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
+from batchrun import tokens
 from batchrun.errors import ProviderError, RetryableError
 from batchrun.jsonutil import json_or_none
 from batchrun.providers.base import (
@@ -28,7 +29,6 @@ from batchrun.providers.base import (
 )
 from batchrun.ratelimit import parse_reset
 from batchrun.spec import JobSpec
-from batchrun import tokens
 from batchrun.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, count_tokens
 from batchrun.validate import strict_problem
 
