@@ -9,6 +9,8 @@
     │   └── ExportError
     ├── JobNotFoundError      exit 2
     ├── JobLockedError        exit 75: another run holds the job
+    │   └── LockLostError     exit 75: this run stalled and another took the job over
+    ├── LedgerBusyError       exit 75: the SQLite file stayed locked by a stalled writer
     ├── BudgetExceededError   exit 4: the next request's worst case does not fit in the job's budget
     ├── LedgerError           the ledger cannot be opened or upgraded
     │   └── LedgerWriteError  exit 75: it failed during a run; resume later
@@ -83,6 +85,18 @@ class StoppedError(BatchrunError):
 
 class JobLockedError(BatchrunError):
     """Another run is working on this job."""
+
+    exit_code = 75
+
+
+class LockLostError(JobLockedError):
+    """This run stalled past its lock's staleness and another run took the job over: stop sending."""
+
+    stop_reason: ClassVar[str] = "lock_lost"
+
+
+class LedgerBusyError(BatchrunError):
+    """The SQLite ledger stayed locked by another process (one stalled mid-write, e.g. under SIGSTOP)."""
 
     exit_code = 75
 

@@ -226,7 +226,7 @@ def export_job(
 
     def main_lines() -> Iterable[dict[str, Any]]:
         for row in ledger.iter_items(job_id):
-            if row.line in shadowed:
+            if row.item_id in shadowed:
                 continue  # its custom_id belongs to another line; it is listed in the errors file
             if fmt == "results":
                 yield results_line(row, structured=structured)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sqlite3
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +23,10 @@ from batchrun.providers import Provider
 from batchrun.spec import JobSpec, Template, TemplateFieldError
 
 INSERT_BATCH = 5000
+RENEW_CHECK_LINES = 256  # lines between two looks at the clock (is a batch due for the lock's sake?)
 HASH_CHUNK = 1 << 20
 MAX_STRICT_ERRORS_SHOWN = 5
+SEEN_IN_MEMORY = 100_000  # custom_ids a check keeps in a set before it moves them to a temporary file
 
 
 @dataclass
@@ -145,6 +149,46 @@ def _refused(raw: bytes, exc: orjson.JSONDecodeError) -> _BadLine:
     return _BadLine("invalid_json", f"not valid JSON: {exc}")
 
 
+class SeenIds:
+    """The custom_ids met so far, in bounded memory: a set for the first ``in_memory``, then a
+    private temporary SQLite file (pages spill to disk; SQLite deletes it on close), so checking
+    a file of any size holds at most a few MB of them."""
+
+    def __init__(self, in_memory: int = SEEN_IN_MEMORY) -> None:
+        self.in_memory = in_memory
+        self._ids: set[str] = set()
+        self._db: sqlite3.Connection | None = None
+
+    def add(self, custom_id: str) -> bool:
+        """Note ``custom_id``; False if it was already met."""
+        if self._db is None:
+            if custom_id in self._ids:
+                return False
+            self._ids.add(custom_id)
+            if len(self._ids) > self.in_memory:
+                self._spill()
+            return True
+        return self._db.execute("INSERT OR IGNORE INTO seen VALUES (?)", (custom_id,)).rowcount == 1
+
+    def _spill(self) -> None:
+        self._db = sqlite3.connect("")  # "": a private temporary database on disk
+        self._db.execute("PRAGMA journal_mode = OFF")
+        self._db.execute("CREATE TABLE seen (id TEXT PRIMARY KEY) WITHOUT ROWID")
+        self._db.executemany("INSERT INTO seen VALUES (?)", ((i,) for i in self._ids))
+        self._ids = set()
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def __enter__(self) -> SeenIds:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def check_input(
     path: str | os.PathLike[str],
     builder: RequestBuilder,
@@ -155,16 +199,14 @@ def check_input(
     ``on_item`` gets the (url, body) of every accepted line, as ingest would store it.
     """
     stats = IngestStats()
-    seen_ids: set[str] = set()
     max_bytes = builder.spec.run.max_line_bytes
-    with _open_input(path) as f:
+    with _open_input(path) as f, SeenIds() as seen_ids:
         for line, raw in iter_lines(f, max_bytes):
             stats.lines += 1
             try:
                 custom_id, url, body = builder.build(_parse_line(raw, max_bytes), line)
-                if custom_id in seen_ids:
+                if not seen_ids.add(custom_id):
                     raise _BadLine("duplicate_custom_id", f"custom_id {custom_id!r} appears twice")
-                seen_ids.add(custom_id)
                 stats.accepted += 1
                 if on_item is not None:
                     on_item(url, body)
@@ -181,41 +223,45 @@ def ingest(
     path: str | os.PathLike[str],
     builder: RequestBuilder,
     *,
+    run_id: str | None = None,
     on_batch: Callable[[IngestStats], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> IngestStats:
     """Stream ``path`` into the job's items, continuing after the last line already stored.
 
-    ``should_stop`` is asked between batches: a signal stops the ingest at a clean
-    point (StoppedError), never in the middle of a write.
+    Each batch is one transaction, its duplicate-id rejections included, so the
+    stored lines are always a prefix of the file. With ``run_id`` (the ingest's
+    job lock) every batch renews the lock and is refused once another run has
+    taken the job over (LockLostError); a batch is also written after
+    ``lock_stale_seconds / 4`` however few lines it has, so a slow read never lets
+    the lock look stale. ``should_stop`` is asked before the first line and between
+    batches: a signal stops the ingest at a clean point (StoppedError), never in
+    the middle of a write.
     """
     stats = IngestStats()
     max_bytes = builder.spec.run.max_line_bytes
+    renew_every = builder.spec.run.lock_stale_seconds / 4
     start_after = ledger.last_ingested_line(job_id)
     batch: list[dict[str, Any]] = []
+    written_at = time.monotonic()
+
+    def stop_if_asked(where: str) -> None:
+        if should_stop and should_stop():
+            raise StoppedError(f"stopped while reading {path} {where}; run the same command again to carry on")
 
     def flush() -> None:
-        dupes = ledger.insert_items(job_id, batch)
-        if dupes:
-            rows = [
-                {
-                    "line": row["line"],
-                    "custom_id": row["custom_id"],
-                    "state": ItemState.REJECTED,
-                    "error_class": "duplicate_custom_id",
-                    "error_message": f"custom_id {row['custom_id']!r} was already used on line {first}",
-                }
-                for row, first in dupes
-            ]
-            ledger.insert_items(job_id, rows)
-            stats.accepted -= len(rows)
-            stats.rejected += len(rows)
-            for row in rows:
-                _note(stats, row["line"], row["error_message"])
+        nonlocal written_at
+        taken = ledger.insert_items(job_id, batch, run_id=run_id)
+        written_at = time.monotonic()
+        stats.accepted -= len(taken)
+        stats.rejected += len(taken)
+        for row, first in taken:
+            _note(stats, row["line"], f"custom_id {row['custom_id']!r} was already used on line {first}")
         batch.clear()
         if on_batch:
             on_batch(stats)
 
+    stop_if_asked("before its first line")
     with _open_input(path) as f:
         for line, raw in iter_lines(f, max_bytes):
             stats.lines += 1
@@ -239,12 +285,11 @@ def ingest(
                 )
                 stats.rejected += 1
                 _note(stats, line, bad.reason)
-            if len(batch) >= INSERT_BATCH:
+            if len(batch) >= INSERT_BATCH or (
+                line % RENEW_CHECK_LINES == 0 and time.monotonic() - written_at > renew_every
+            ):
                 flush()
-                if should_stop and should_stop():
-                    raise StoppedError(
-                        f"stopped while reading {path} at line {line}; run the same command again to carry on"
-                    )
+                stop_if_asked(f"at line {line}")
         flush()
     return stats
 

@@ -22,8 +22,10 @@ from batchrun.errors import (
     EXIT_TEMPFAIL,
     BudgetExceededError,
     InputError,
+    LockLostError,
     OutputInvalidError,
     SpecError,
+    StoppedError,
     UsageError,
 )
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
@@ -235,19 +237,29 @@ def _ingest_locked(
     on_batch: Callable[[IngestStats], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> IngestStats | None:
-    """Ingest under the job lock, so an overlapping submit cannot ingest the same file twice."""
-    run_id = ledger.start_run(job_id, "ingest", exclusive=True)
+    """Ingest under the job lock, so an overlapping submit cannot ingest the same file twice.
+
+    Every batch renews the lock and is fenced by it: an ingest that stalled past
+    the lock's staleness and was taken over writes nothing more (LockLostError, exit 75).
+    A signal that came while the input was read stops here, before anything is sent.
+    """
+    run_id = ledger.start_run(job_id, "ingest", exclusive=True, stale_after=builder.spec.run.lock_stale_seconds)
     code = EXIT_TEMPFAIL
     try:
         if ledger.get_job(job_id).ingest_done:  # the run we waited for finished it
             code = EXIT_OK
             return None
-        stats = ingest(ledger, job_id, path, builder, on_batch=on_batch, should_stop=should_stop)
-        ledger.finish_ingest(job_id)
+        stats = ingest(ledger, job_id, path, builder, run_id=run_id, on_batch=on_batch, should_stop=should_stop)
+        ledger.finish_ingest(job_id, run_id=run_id)
         code = EXIT_OK
-        return stats
     finally:
         ledger.end_run(job_id, run_id, code)
+    if should_stop and should_stop():
+        raise StoppedError(
+            f"stopped after reading {path} (job {job_id}: every line stored, nothing sent); "
+            "run the same command again to carry on"
+        )
+    return stats
 
 
 def finish_interrupted_ingest(
@@ -276,6 +288,8 @@ def exit_code_for(counts: dict[str, int], stop_reason: str | None, *, ingest_don
         return EXIT_AUTH
     if stop_reason == BudgetExceededError.stop_reason:
         return EXIT_BUDGET
+    if stop_reason == LockLostError.stop_reason:
+        return EXIT_TEMPFAIL  # another run has the job now: this one stopped early, whatever the counts say
     if counts[ItemState.PENDING] or counts[ItemState.RUNNING] or not ingest_done:
         return EXIT_TEMPFAIL
     if counts[ItemState.SUCCEEDED] == sum(counts.values()):

@@ -56,6 +56,7 @@ from batchrun.errors import (
     AuthError,
     BudgetExceededError,
     LedgerWriteError,
+    LockLostError,
     OutputInvalidError,
     ProviderError,
     RateLimitedError,
@@ -148,6 +149,7 @@ class _ItemWork:
     rate_limited: int = 0
     reasks: int = 0
     followups: list[tuple[str, str]] = field(default_factory=list)
+    lost: bool = False  # a heartbeat found the item no longer leased to this run: send it no more
     last_attempt: AttemptRecord | None = None
     input_tokens: int = 0
     output_tokens: int = 0
@@ -196,6 +198,16 @@ class JobRunner:
         self._model_prices: dict[str, Price | None] = {}
         self.lease_seconds = self.options.lease_seconds or spec.run.lease_seconds
         self._heartbeat_interval = min(self.options.heartbeat_interval, self.lease_seconds / 4)
+        # How long a heartbeat vouches for this run's lock and leases: well inside the time
+        # after which another run may take them (the lock's staleness; half the lease for a
+        # worker's items), so a run that stalled (SIGSTOP, a suspended laptop, a long
+        # outage) re-confirms before it sends again. Both clocks count: the monotonic one
+        # stops while a laptop sleeps, the wall clock may jump.
+        self._vouched_for = 0.75 * min(spec.run.lock_stale_seconds, self.lease_seconds / 2)
+        self._vouched_until = (0.0, 0.0)  # (monotonic, wall) ends of the last confirmation
+        self._confirmation: asyncio.Future[None] | None = None
+        self._working: dict[int, _ItemWork] = {}  # claimed items without an outcome yet, by id
+        self._attempt_seq = 0
         self._bucket_db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-bucket")
         self.request_budget = self._budget("requests", spec.run.rpm)
         self.request_window = RequestWindow(spec.run.rpm) if spec.run.rpm > 0 else None
@@ -235,6 +247,7 @@ class JobRunner:
         self.controller.stop()
         if self.spend_budget is not None:
             self.spend_budget.stop()
+        self._confirmed()
 
     @property
     def stopping(self) -> bool:
@@ -273,9 +286,14 @@ class JobRunner:
     async def run(self) -> RunResult:
         """Work the job; returns how the run ended. Raises JobLockedError if another run holds it."""
         try:
+            vouched = self._clocks()
             self.run_id = await self._ledger(
-                lambda: self.ledger.start_run(self.job.id, self.options.command, exclusive=self.options.exclusive)
+                lambda: self.ledger.start_run(
+                    self.job.id, self.options.command, exclusive=self.options.exclusive,
+                    stale_after=self.spec.run.lock_stale_seconds,
+                )
             )
+            self._vouch(vouched)
             for kind, budget in (("requests", self.request_budget), ("tokens", self.token_budget)):
                 if isinstance(budget, SharedTokenBucket):
                     await self._ledger(self.ledger.set_rate_budget, self.job.id, kind, budget.rate, budget.capacity)
@@ -311,6 +329,9 @@ class JobRunner:
                     await asyncio.wait([writer])
                 if writer.exception() is not None:
                     raise writer.exception()  # type: ignore[misc]
+                # Nothing this run claimed stays running after it: items a replayed claim
+                # leased without this run knowing go back too.
+                await self._ledger(self.ledger.release_held, self.job.id, self.run_id)
             finally:
                 if deadline is not None:
                     deadline.cancel()
@@ -342,13 +363,25 @@ class JobRunner:
         try:
             while not self.stopping and not writer.done():
                 if not queue:
-                    claimed = await self._ledger(self.ledger.claim, self.job.id, self.run_id, batch, self.lease_seconds)
+                    try:
+                        claimed = await self._ledger(
+                            lambda: self.ledger.claim(
+                                self.job.id, self.run_id, batch, self.lease_seconds, exclusive=self.options.exclusive
+                            )
+                        )
+                    except LockLostError as lost:
+                        self.request_stop(LockLostError.stop_reason, lost.message)
+                        break
                     if not claimed:
                         if not active:
                             return
                         await self._wait_for_wake()
                         continue
                     to_send, hits = await self._ledger(self._look_up, claimed)
+                    for work in to_send:
+                        self._working[work.item.id] = work
+                    for work, _ in hits:
+                        self._working[work.item.id] = work
                     queue.extend(to_send)
                     queue.extend(work for work, answer in hits if not self._finish_cached(work, answer))
                     continue
@@ -364,6 +397,7 @@ class JobRunner:
             # Unstarted items go back at once; in-flight ones get the grace period.
             if queue:
                 for work in queue:
+                    self._working.pop(work.item.id, None)
                     self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.item.attempts))
                 queue.clear()
             if active:
@@ -381,6 +415,9 @@ class JobRunner:
         works: list[_ItemWork] = []
         for item in claimed:
             work = _ItemWork(item, 0.0, counted=item.attempts)
+            if item.followups:  # re-asks a killed run had committed: carry on from the last one
+                work.followups = [(str(answer), str(note)) for answer, note in orjson.loads(item.followups)]
+                work.reasks = len(work.followups)
             try:
                 work.first_request = self.provider.prepare(item.url, item.body, max_tokens=item.max_tokens)
                 work.key = request_key(self._cache_scope, work.first_request)
@@ -426,10 +463,9 @@ class JobRunner:
                     if invalid.error_class == "refusal" or work.reasks >= self.spec.output.validation_retries:
                         self._finish(work, ItemState.INVALID_OUTPUT, reply=reply, invalid=invalid)
                         return
-                    # This answer will never be committed: its slot goes back now.
-                    self.controller.release()
                     work.reasks += 1
                     work.followups.append((reply.output or "", feedback(invalid)))
+                    self._note_reask(work)
                     continue
                 self._finish(work, ItemState.SUCCEEDED, reply=reply, parsed=verdict.parsed)
                 return
@@ -520,10 +556,14 @@ class JobRunner:
                 held = await spend.reserve(estimate)  # BudgetExceededError: stop the run
                 if held is None:
                     raise _Stopped
+            if not self._owns(work):  # last before the send: the run may have stalled in the waits
+                await self._confirm(work)
         except BaseException:
             self.controller.release()
+            if spend is not None and held is not None:
+                spend.release(held)
             raise
-        if self.stopping:
+        if self.stopping or not self._owns(work):
             self.controller.release()
             if spend is not None and held is not None:
                 spend.release(held)
@@ -583,7 +623,9 @@ class JobRunner:
                 for budget in self._budgets:
                     budget.recover()
                 self._note_latency(latency_ms / 1000.0)
+        self._attempt_seq += 1
         record = AttemptRecord(
+            seq=self._attempt_seq,
             job_id=self.job.id,
             item_id=work.item.id,
             run_id=self.run_id,
@@ -694,6 +736,7 @@ class JobRunner:
     # -- outcomes -----------------------------------------------------------
 
     def _put_back(self, work: _ItemWork) -> None:
+        self._working.pop(work.item.id, None)
         self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.counted))
         self.stats.done["released"] += 1
         self._maybe_flush()
@@ -708,6 +751,7 @@ class JobRunner:
         invalid: OutputInvalidError | None = None,
         parsed: Any = _NO_VALUE,
     ) -> None:
+        self._working.pop(work.item.id, None)
         outcome = Outcome(
             item_id=work.item.id, state=state, attempts=work.counted, finished_at=time.time(), request_hash=work.key
         )
@@ -750,6 +794,9 @@ class JobRunner:
                 parsed = orjson.dumps(self.validator.check(answer.output).parsed).decode()
             except OutputInvalidError:
                 return False
+        elif answer.output is None and not self._is_answer(answer):
+            return False
+        self._working.pop(work.item.id, None)
         self._outcomes.append(
             Outcome(
                 item_id=work.item.id,
@@ -773,6 +820,31 @@ class JobRunner:
         self._maybe_flush()
         return True
 
+    def _is_answer(self, answer: CachedAnswer) -> bool:
+        """Whether a stored answer without output text is one (a tool call) or a body with none
+        (filed as a success before the provider told them apart): re-read by the provider."""
+        if answer.response is None:
+            return False
+        try:
+            self.provider.parse(
+                answer.status_code or 200, httpx.Headers(), answer.response.encode(), latency_ms=0.0
+            )
+        except ProviderError:
+            return False
+        return True
+
+    def _note_reask(self, work: _ItemWork) -> None:
+        """Commit a structured item's re-asks so far before it is asked again, so a kill does not pay for
+        them twice. The invalid answer keeps its slot until that is committed, like a clean one."""
+        self._outcomes.append(
+            Outcome(
+                item_id=work.item.id, state=ItemState.RUNNING, attempts=work.counted,
+                followups=orjson.dumps(work.followups).decode(),
+            )
+        )
+        self._held_slots += 1
+        self._maybe_flush()
+
     def _maybe_flush(self) -> None:
         if len(self._outcomes) >= self._flush_count or self._held_slots:
             self._flush_now.set()
@@ -794,8 +866,73 @@ class JobRunner:
                 await self._ledger(self.ledger.record, self.run_id, outcomes, attempts)
             if held:
                 self.controller.release(held)
-            if time.monotonic() - last_beat >= self._heartbeat_interval:
-                await self._ledger(self.ledger.heartbeat, self.job.id, self.run_id, self.lease_seconds)
+            if self._confirmation is not None or time.monotonic() - last_beat >= self._heartbeat_interval:
                 last_beat = time.monotonic()
+                await self._heartbeat()
             if self._writer_done and not self._outcomes and not self._attempts:
+                self._confirmed()
                 return
+
+    # -- the lock and the leases ----------------------------------------------
+
+    @staticmethod
+    def _clocks() -> tuple[float, float]:
+        return time.monotonic(), time.time()
+
+    def _vouch(self, since: tuple[float, float]) -> None:
+        """The lock and leases are confirmed as of ``since`` (taken before the ledger call that confirmed them)."""
+        self._vouched_until = (since[0] + self._vouched_for, since[1] + self._vouched_for)
+
+    def _owns(self, work: _ItemWork) -> bool:
+        """Whether this run may send ``work`` now: its item was not taken, and the last confirmation still holds."""
+        mono, wall = self._vouched_until
+        return not work.lost and time.monotonic() < mono and time.time() < wall
+
+    async def _confirm(self, work: _ItemWork) -> None:
+        """Wait for a heartbeat that re-confirms the lock and leases (the writer makes it at once).
+
+        A heartbeat already under way when this asked may have started before a stall,
+        so its confirmation can be stale too: then one more is asked for.
+        """
+        for _ in range(3):
+            if self.stopping or work.lost or self._owns(work):
+                return
+            if self._confirmation is None:
+                self._confirmation = asyncio.get_running_loop().create_future()
+                self._flush_now.set()
+            await asyncio.shield(self._confirmation)
+
+    def _confirmed(self) -> None:
+        """Wake every task waiting in :meth:`_confirm` (after a heartbeat, or when the run stops)."""
+        if self._confirmation is not None:
+            if not self._confirmation.done():
+                self._confirmation.set_result(None)
+            self._confirmation = None
+
+    async def _heartbeat(self) -> None:
+        """Renew the lock (an exclusive run) and the leases; notice what this run no longer holds.
+
+        Lost lock: the run stops (exit 75), sending nothing more. Items whose lease
+        was swept (a worker that stalled past it) are not sent again by this run.
+        """
+        started = self._clocks()
+        try:
+            held = await self._ledger(
+                lambda: self.ledger.heartbeat(
+                    self.job.id, self.run_id, self.lease_seconds, exclusive=self.options.exclusive
+                )
+            )
+        except LockLostError as lost:
+            log.error("%s", lost.message, extra={"job": self.job.id})
+            self.request_stop(LockLostError.stop_reason, lost.message)  # wakes the waiters: they stop
+            return
+        except BaseException:
+            self._confirmed()
+            raise
+        self._vouch(started)
+        for item_id, work in self._working.items():
+            if item_id not in held and not work.lost:
+                work.lost = True
+                log.warning("item %s was taken from this run (its lease lapsed); not sending it again",
+                            work.item.custom_id, extra={"job": self.job.id})
+        self._confirmed()

@@ -135,6 +135,15 @@ class RunSpec:
     # false (or --no-cache): send every item. Request keys are recorded either way.
     cache: bool = True
 
+    @property
+    def lock_stale_seconds(self) -> float:
+        """How long a job lock may go without a heartbeat before another run takes the job over.
+
+        Half the lease: a run that stalled longer (SIGSTOP, a suspended laptop, a
+        long outage) stops sending before its items can be given to another run.
+        """
+        return self.lease_seconds / 2
+
 
 @dataclass(frozen=True)
 class OutputSpec:

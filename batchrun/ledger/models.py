@@ -96,6 +96,8 @@ items = Table(
     # item whose answer was reused for this one (null: this item's answer was paid for).
     Column("request_hash", String(64)),
     Column("cached_from", BigId),
+    # A structured item's re-asks so far: JSON [[invalid answer, feedback], ...] (null: none).
+    Column("followups", Text),
     Index("ix_items_claim", "job_id", "state", "id"),
     Index(
         "ix_items_answered_by_request",
@@ -110,7 +112,8 @@ items = Table(
         sqlite_where=text("cached_from IS NOT NULL"),
         postgresql_where=text("cached_from IS NOT NULL"),
     ),
-    Index("ix_items_job_line", "job_id", "line"),
+    # One row per input line: an item or a rejected line, never both, never twice.
+    Index("uq_items_job_line", "job_id", "line", unique=True),
     # Only rejected lines may repeat a custom_id (a duplicate is itself rejected).
     Index(
         "uq_items_job_custom_id",
@@ -141,6 +144,9 @@ attempts = Table(
     Column("cost_usd", Float),
     Column("ttft_ms", Float),  # streamed attempts: time to first token
     Column("tpot_ms", Float),  # streamed attempts: ms per output token after the first
+    # The run's own number for the attempt: a replayed write cannot add it twice.
+    Column("seq", Integer),
+    Index("uq_attempts_run_seq", "run_id", "seq", unique=True),
 )
 
 exports = Table(

@@ -1,10 +1,13 @@
-"""Riding out a database restart: which errors mean "the connection went", and retrying them.
+"""Riding out a database restart: which errors are passing, and retrying them.
 
 PostgreSQL restarts (failover, upgrade, ``pg_ctlcluster restart``) break every open
 connection; the pool's pre-ping replaces dead connections at checkout, and a call
 that was cut mid-way is retried whole (each Ledger method is one transaction that
-rolled back). SQLite errors are local (disk full, file removed): retrying them
-cannot help, so only PostgreSQL ledgers retry.
+rolled back, or that committed and lost only its acknowledgement: the writes a run
+replays are idempotent, see ``Ledger.record``). A deadlock (two runs updating the
+same items in different orders: a lease sweep and a commit) rolls back one of the
+two transactions; it is retried the same way. SQLite errors are local (disk full,
+file removed): retrying them cannot help, so only PostgreSQL ledgers retry.
 """
 
 from __future__ import annotations
@@ -21,18 +24,22 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-# SQLSTATEs of a server going away or not there yet: admin_shutdown (a restart),
-# crash_shutdown, cannot_connect_now ("the database system is starting up").
+# SQLSTATEs worth retrying: a server going away or not there yet (admin_shutdown, a
+# restart; crash_shutdown; cannot_connect_now, "the database system is starting up"),
+# and a transaction PostgreSQL rolled back to break a deadlock or a serialization conflict.
 _GONE_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+_ROLLED_BACK_SQLSTATES = frozenset({"40P01", "40001"})
 
 
-def is_disconnect(exc: BaseException) -> bool:
-    """The database went away or cannot be reached right now (worth retrying).
+def is_transient(exc: BaseException) -> bool:
+    """The database went away, cannot be reached right now, or rolled the transaction back
+    to break a deadlock (worth retrying).
 
     SQLAlchemy marks a connection lost mid-use (``connection_invalidated``); a failure to
     connect is psycopg's OperationalError without a SQLSTATE (refused, reset, timed out),
-    a connection exception (class 08) or one of the shutdown/start-up states. Anything
-    else (a constraint, a full disk, a bug) is not retried: it would fail again.
+    a connection exception (class 08) or one of the shutdown/start-up states; a deadlock
+    is ``40P01``. Anything else (a constraint, a full disk, a bug) is not retried: it
+    would fail again.
     """
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
@@ -46,7 +53,12 @@ def is_disconnect(exc: BaseException) -> bool:
     if not isinstance(orig, (psycopg.OperationalError, psycopg.InterfaceError)):
         return False
     sqlstate = orig.sqlstate
-    return sqlstate is None or sqlstate.startswith("08") or sqlstate in _GONE_SQLSTATES
+    return (
+        sqlstate is None
+        or sqlstate.startswith("08")
+        or sqlstate in _GONE_SQLSTATES
+        or sqlstate in _ROLLED_BACK_SQLSTATES
+    )
 
 
 async def ride_out(call: Callable[[], Awaitable[T]], *, for_seconds: float, what: str) -> T:
@@ -70,7 +82,7 @@ async def ride_out(call: Callable[[], Awaitable[T]], *, for_seconds: float, what
     retrying = AsyncRetrying(
         stop=stop_after_delay(for_seconds),
         wait=wait_exponential(multiplier=0.1, max=5.0) + wait_random(0, 0.25),
-        retry=retry_if_exception(is_disconnect),
+        retry=retry_if_exception(is_transient),
         before_sleep=note,
         reraise=True,
     )

@@ -34,12 +34,13 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import cast as sql_cast
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
 from batchrun.cache import CachedAnswer
-from batchrun.errors import JobLockedError, JobNotFoundError
-from batchrun.ledger.engine import WRITE_OPTION, open_engine
+from batchrun.errors import JobLockedError, JobNotFoundError, LedgerBusyError, LockLostError
+from batchrun.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE_OPTION, open_engine
 from batchrun.ledger.models import ItemState
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import exports as exports_t
@@ -84,6 +85,7 @@ class ClaimedItem:
     body: str
     attempts: int
     max_tokens: int | None = None
+    followups: str | None = None  # JSON [[invalid answer, feedback], ...]: re-asks a killed run committed
 
 
 @dataclass
@@ -108,6 +110,7 @@ class Outcome:
     cost_usd: float | None = None
     request_hash: str | None = None  # the response cache's key of the item's first request
     cached_from: int | None = None  # the item whose answer was reused (no request was sent)
+    followups: str | None = None  # state RUNNING: the re-asks so far (JSON), kept for a resume
 
 
 @dataclass
@@ -130,6 +133,7 @@ class AttemptRecord:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     counted: bool = True  # counts against max_attempts (not a 429, an auth refusal or an outage)
+    seq: int | None = None  # the run's own number for it (unique per run): a replayed write adds it once
 
 
 @dataclass(frozen=True)
@@ -223,9 +227,10 @@ _SQLITE_INSERT_ITEMS = (
 _FINAL_COLUMNS = (
     "state", "status_code", "response", "output", "parsed", "validation_errors", "request_id", "error_class",
     "error_message", "input_tokens", "output_tokens", "latency_ms", "finished_at", "cost_usd", "request_hash",
-    "cached_from",
+    "cached_from", "followups",
 )
 _BACK_COLUMNS = ("status_code", "error_class", "error_message")
+_NOT_FINAL = (ItemState.PENDING, ItemState.RUNNING)  # outcomes that leave the item unanswered
 _ATTEMPT_COLUMNS = tuple(f.name for f in dataclasses.fields(AttemptRecord) if f.name != "counted")
 # The writer's hot path on SQLite goes straight to the driver's executemany (as ingest does):
 # SQLAlchemy's per-row parameter processing cost about as much as the writes themselves.
@@ -234,14 +239,18 @@ _SQLITE_INSERT_ATTEMPTS = (
 )
 _SQLITE_CHARGE_ATTEMPTS = "UPDATE items SET attempts = attempts + ? WHERE id = ?"
 _SQLITE_HELD = "WHERE id = ? AND lease_owner = ? AND state = 'running'"
-_SQLITE_FINISH = (
+# A success lands on an item that has no answer yet, whoever holds it (the first committed answer wins).
+_SQLITE_UNANSWERED = "WHERE id = ? AND state IN ('pending', 'running')"
+_SQLITE_SET_FINAL = (
     f"UPDATE items SET {', '.join(f'{c} = ?' for c in _FINAL_COLUMNS)}, lease_owner = NULL, lease_expires = NULL "
-    + _SQLITE_HELD
 )
+_SQLITE_FINISH = _SQLITE_SET_FINAL + _SQLITE_HELD
+_SQLITE_LAND = _SQLITE_SET_FINAL + _SQLITE_UNANSWERED
 _SQLITE_PUT_BACK = (
     f"UPDATE items SET {', '.join(f'{c} = ?' for c in _BACK_COLUMNS)}, state = 'pending', lease_owner = NULL, "
     "lease_expires = NULL " + _SQLITE_HELD
 )
+_SQLITE_PROGRESS = "UPDATE items SET followups = ? " + _SQLITE_HELD
 
 
 def _no_nul(value: Any) -> Any:
@@ -309,11 +318,25 @@ class Ledger:
 
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        """A write transaction (``BEGIN IMMEDIATE`` on SQLite; reads stay deferred and never block)."""
-        with self.engine.connect() as conn:
-            conn.execution_options(**{WRITE_OPTION: True})
-            with conn.begin():
-                yield conn
+        """A write transaction (``BEGIN IMMEDIATE`` on SQLite; reads stay deferred and never block).
+
+        On SQLite, a file that stays locked past the busy timeout (another process
+        stalled in the middle of a write: SIGSTOP, a suspended laptop) is a
+        LedgerBusyError (exit 75): nothing was written, try again later.
+        """
+        try:
+            with self.engine.connect() as conn:
+                conn.execution_options(**{WRITE_OPTION: True})
+                with conn.begin():
+                    yield conn
+        except OperationalError as exc:
+            if self.is_sqlite and "database is locked" in str(exc.orig):
+                raise LedgerBusyError(
+                    f"the ledger {self.url} stayed locked by another process for "
+                    f"{SQLITE_BUSY_TIMEOUT_MS // 1000} s (a run stalled in the middle of a write?); "
+                    "nothing was changed, try again later"
+                ) from exc
+            raise
 
     def __enter__(self) -> Ledger:
         return self
@@ -398,12 +421,18 @@ class Ledger:
         with self.engine.connect() as conn:
             return conn.execute(select(func.max(items_t.c.line)).where(items_t.c.job_id == job_id)).scalar() or 0
 
-    def insert_items(self, job_id: int, rows: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], int]]:
-        """Insert one batch of items; return the rows whose custom_id was taken, with the line that took it.
+    def insert_items(
+        self, job_id: int, rows: Sequence[dict[str, Any]], *, run_id: str | None = None
+    ) -> list[tuple[dict[str, Any], int]]:
+        """Store one batch of input lines in one transaction; return the rows whose custom_id was taken.
 
         Rows carry ``line``, ``custom_id``, ``url``, ``body``, ``state`` and for rejected
-        lines ``error_class`` and ``error_message``. The caller decides what to do
-        with the duplicates (they are not inserted).
+        lines ``error_class`` and ``error_message``. A row whose custom_id an earlier line
+        holds is stored, in the same transaction, as a ``rejected`` line
+        (``duplicate_custom_id``) and returned with the line that holds it: a crash can
+        never leave a line of a batch unstored. A line already stored is left as it is
+        (each line is stored once). With ``run_id`` (ingest), the job lock must be
+        this run's: it is renewed, else LockLostError and nothing is written.
         """
         if not rows:
             return []
@@ -418,19 +447,15 @@ class Ledger:
             rows = [{k: _no_nul(v) for k, v in row.items()} for row in rows]
         lo, hi = rows[0]["line"], rows[-1]["line"]
         with self._write() as conn:
-            if self.is_sqlite:
-                # The hot path of a big ingest: straight to the driver's executemany,
-                # about 2x faster than SQLAlchemy's per-row parameter processing.
-                inserted = conn.exec_driver_sql(_SQLITE_INSERT_ITEMS, values).rowcount
-                if inserted == len(values):  # the driver sums the rows each INSERT added
-                    return []  # nothing was a duplicate: no need to read the batch back
-                stored = set(
-                    conn.execute(
-                        select(items_t.c.line).where(items_t.c.job_id == job_id, items_t.c.line.between(lo, hi))
-                    ).scalars()
-                )
-            else:
-                stored = self._copy_items(conn, values)
+            if run_id is not None:
+                self._renew_lock(conn, job_id, run_id)
+            if self._insert_values(conn, values):
+                return []  # nothing was a duplicate: no need to read the batch back
+            stored = set(
+                conn.execute(
+                    select(items_t.c.line).where(items_t.c.job_id == job_id, items_t.c.line.between(lo, hi))
+                ).scalars()
+            )
             dupes = [r for r in rows if r["line"] not in stored]
             if not dupes:
                 return []
@@ -443,17 +468,35 @@ class Ledger:
                     )
                 ).all()
             )
-        return [(r, first_lines.get(r["custom_id"], 0)) for r in dupes]
+            taken = [(r, int(first_lines.get(r["custom_id"], 0))) for r in dupes]
+            self._insert_values(
+                conn,
+                [
+                    (job_id, r["line"], r["custom_id"], None, None, ItemState.REJECTED, 0, "duplicate_custom_id",
+                     f"custom_id {r['custom_id']!r} was already used on line {first}")
+                    for r, first in taken
+                ],
+            )
+        return taken
+
+    def _insert_values(self, conn: Connection, values: Sequence[tuple[Any, ...]]) -> bool:
+        """Insert item rows, skipping taken lines and custom_ids; True when every row went in."""
+        if self.is_sqlite:
+            # The hot path of a big ingest: straight to the driver's executemany,
+            # about 2x faster than SQLAlchemy's per-row parameter processing.
+            # The driver sums the rows each INSERT added.
+            return bool(conn.exec_driver_sql(_SQLITE_INSERT_ITEMS, values).rowcount == len(values))
+        return self._copy_items(conn, values)
 
     @staticmethod
-    def _copy_items(conn: Connection, values: Sequence[tuple[Any, ...]]) -> set[int]:
-        """PostgreSQL: COPY a batch in (several times faster than a multi-row INSERT); the lines stored.
+    def _copy_items(conn: Connection, values: Sequence[tuple[Any, ...]]) -> bool:
+        """PostgreSQL: COPY a batch in (several times faster than a multi-row INSERT); True if all went in.
 
-        The usual batch has no taken custom_id: it is COPYed straight into ``items``
-        (about 1.6x faster than going through the staging table). A batch repeating a
-        custom_id (within itself, or from an earlier batch: the unique index says so)
-        is COPYed into a temporary table and inserted with ON CONFLICT DO NOTHING.
-        Ingest holds the job lock, so no other writer adds this job's items meanwhile.
+        The usual batch takes no stored line or custom_id: it is COPYed straight into
+        ``items`` (about 1.6x faster than going through the staging table). Otherwise
+        (a custom_id repeated within the batch, or taken by an earlier line: the unique
+        indexes say so) it is COPYed into a temporary table and inserted with
+        ON CONFLICT DO NOTHING; the caller reads back which lines were stored.
         """
         from psycopg.errors import UniqueViolation
 
@@ -470,41 +513,80 @@ class Ledger:
             try:
                 with conn.begin_nested():
                     copy_into("items")
-                return {int(v[1]) for v in values}
+                return True
             except UniqueViolation:
-                pass  # a custom_id from an earlier batch: take the careful path
+                pass  # a taken line or custom_id: take the careful path
         conn.exec_driver_sql(_PG_STAGE_ITEMS)
         copy_into("batchrun_items_in")
-        return {int(line) for line in conn.exec_driver_sql(_PG_INSERT_STAGED).scalars()}
+        conn.exec_driver_sql(_PG_INSERT_STAGED)
+        return False
 
-    def finish_ingest(self, job_id: int) -> int:
+    def finish_ingest(self, job_id: int, *, run_id: str | None = None) -> int:
+        """Mark the job's input as wholly stored (with ``run_id``: only while this run holds the job lock)."""
         with self._write() as conn:
+            if run_id is not None:
+                self._renew_lock(conn, job_id, run_id)
             total = conn.execute(select(func.count()).where(items_t.c.job_id == job_id)).scalar() or 0
             conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(ingest_done=True, total=total))
         return int(total)
 
     # -- runs and the job lock ---------------------------------------------
+    #
+    # The lock is a row field, fenced: every write an exclusive run makes on the
+    # strength of it (an ingest batch, a claim, a heartbeat) checks in the same
+    # transaction that the lock is still its own, so a run that stalled past the
+    # lock's staleness (SIGSTOP, a suspended laptop, a long outage) and was taken
+    # over writes nothing more and learns so (LockLostError). Times are the
+    # database's clock on PostgreSQL (one clock for every host).
+
+    def _now(self, conn: Connection) -> float:
+        """Now, in UNIX seconds, read in this transaction: the database's clock on PostgreSQL."""
+        if self.is_sqlite:
+            return time.time()
+        return float(conn.execute(select(self._db_now())).scalar_one())
+
+    def _holder(self, conn: Connection, job_id: int, *, lock: bool = False) -> LockHolder | None:
+        stmt = select(
+            jobs_t.c.lock_run_id, jobs_t.c.lock_pid, jobs_t.c.lock_host, jobs_t.c.lock_since, jobs_t.c.lock_heartbeat
+        ).where(jobs_t.c.id == job_id)
+        if lock:
+            stmt = stmt.with_for_update()
+        row = conn.execute(stmt).one_or_none()
+        if row is None:
+            raise JobNotFoundError(f"no job {job_id} in ledger {self.url} (see `batchrun list`)")
+        if row.lock_run_id is None:
+            return None
+        return LockHolder(row.lock_run_id, row.lock_pid, row.lock_host, row.lock_since, row.lock_heartbeat)
+
+    def _renew_lock(self, conn: Connection, job_id: int, run_id: str) -> None:
+        """Renew the job lock's heartbeat in this transaction; LockLostError if it is not ``run_id``'s any more."""
+        result = conn.execute(
+            update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.lock_run_id == run_id).values(lock_heartbeat=self._db_now())
+        )
+        if result.rowcount == 0:
+            raise self._lock_lost(conn, job_id, run_id)
+
+    def _lock_lost(self, conn: Connection, job_id: int, run_id: str) -> LockLostError:
+        holder = self._holder(conn, job_id)
+        by = f"run {holder.run_id} (pid {holder.pid} on {holder.host})" if holder else "another run, since ended,"
+        return LockLostError(
+            f"job {job_id} was taken over by {by} while this run ({run_id}) was stalled past the lock's "
+            "staleness; this run stopped sending and wrote nothing more"
+        )
 
     def start_run(self, job_id: int, command: str, *, exclusive: bool, stale_after: float = 60.0) -> str:
-        """Register a run; with ``exclusive``, take the job lock or raise JobLockedError."""
+        """Register a run; with ``exclusive``, take the job lock or raise JobLockedError.
+
+        A lock is taken over when its holder is a dead process on this host, or its
+        heartbeat is older than ``stale_after`` seconds (the database's clock).
+        """
         run_id = os.urandom(8).hex()
-        now = time.time()
         pid, host = os.getpid(), socket.gethostname()
         with self._write() as conn:
+            now = self._now(conn)
             if exclusive:
-                job = conn.execute(
-                    select(
-                        jobs_t.c.lock_run_id,
-                        jobs_t.c.lock_pid,
-                        jobs_t.c.lock_host,
-                        jobs_t.c.lock_since,
-                        jobs_t.c.lock_heartbeat,
-                    )
-                    .where(jobs_t.c.id == job_id)
-                    .with_for_update()
-                ).one()
-                if job.lock_run_id is not None:
-                    holder = LockHolder(job.lock_run_id, job.lock_pid, job.lock_host, job.lock_since, job.lock_heartbeat)
+                holder = self._holder(conn, job_id, lock=True)
+                if holder is not None:
                     dead = holder.host == host and not _pid_alive(holder.pid)
                     stale = now - holder.heartbeat > stale_after
                     if not (dead or stale):
@@ -525,21 +607,31 @@ class Ledger:
             )
         return run_id
 
-    def heartbeat(self, job_id: int, run_id: str, lease_seconds: float) -> None:
-        """Show the run is alive and extend the leases of the items it holds."""
-        now = time.time()
+    def heartbeat(self, job_id: int, run_id: str, lease_seconds: float, *, exclusive: bool = False) -> set[int]:
+        """Show the run is alive and extend the leases of the items it holds; return their ids.
+
+        With ``exclusive``, the job lock must still be this run's: LockLostError
+        otherwise, and nothing is extended. An item the run believes it holds but
+        that is not returned was taken from it (its lease expired and was swept).
+        """
+        now = self._db_now()
         with self._write() as conn:
             conn.execute(update(runs_t).where(runs_t.c.id == run_id).values(heartbeat_at=now))
-            conn.execute(update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.lock_run_id == run_id).values(lock_heartbeat=now))
-            conn.execute(
+            if exclusive:
+                self._renew_lock(conn, job_id, run_id)
+            held = conn.execute(
                 update(items_t)
                 .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.RUNNING, items_t.c.lease_owner == run_id)
                 .values(lease_expires=now + lease_seconds)
-            )
+                .returning(items_t.c.id)
+            ).scalars()
+            return set(held)
 
     def end_run(self, job_id: int, run_id: str, exit_code: int) -> None:
         with self._write() as conn:
-            conn.execute(update(runs_t).where(runs_t.c.id == run_id).values(ended_at=time.time(), exit_code=exit_code))
+            conn.execute(
+                update(runs_t).where(runs_t.c.id == run_id).values(ended_at=self._db_now(), exit_code=exit_code)
+            )
             conn.execute(
                 update(jobs_t)
                 .where(jobs_t.c.id == job_id, jobs_t.c.lock_run_id == run_id)
@@ -548,18 +640,16 @@ class Ledger:
 
     # -- the hot path -------------------------------------------------------
 
-    def requeue_orphans(self, job_id: int, run_id: str, *, stale_after: float = 60.0) -> int:
+    def requeue_orphans(self, job_id: int, run_id: str) -> int:
         """Put back to pending every running item not leased to ``run_id`` nor to a live worker.
 
         Only safe while holding the job lock: any other exclusive holder is then
-        gone. ``batchrun worker`` runs take no lock; their items stay theirs while
-        their heartbeat is fresh (their leases expire otherwise).
+        gone (or stalled past the lock's staleness: fenced, it sends no more).
+        ``batchrun worker`` runs take no lock; their items stay theirs until the
+        worker ends or their lease expires (the database's clock).
         """
         live_workers = select(runs_t.c.id).where(
-            runs_t.c.job_id == job_id,
-            runs_t.c.command == "worker",
-            runs_t.c.ended_at.is_(None),
-            runs_t.c.heartbeat_at > time.time() - stale_after,
+            runs_t.c.job_id == job_id, runs_t.c.command == "worker", runs_t.c.ended_at.is_(None)
         )
         with self._write() as conn:
             result = conn.execute(
@@ -568,25 +658,18 @@ class Ledger:
                     items_t.c.job_id == job_id,
                     items_t.c.state == ItemState.RUNNING,
                     items_t.c.lease_owner.is_(None)
-                    | ((items_t.c.lease_owner != run_id) & items_t.c.lease_owner.not_in(live_workers)),
+                    | (
+                        (items_t.c.lease_owner != run_id)
+                        & (items_t.c.lease_owner.not_in(live_workers) | (items_t.c.lease_expires < self._db_now()))
+                    ),
                 )
                 .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
             )
             return int(result.rowcount)
 
     def requeue_expired(self, job_id: int) -> int:
-        """Put back to pending the running items whose lease has expired."""
-        with self._write() as conn:
-            result = conn.execute(
-                update(items_t)
-                .where(
-                    items_t.c.job_id == job_id,
-                    items_t.c.state == ItemState.RUNNING,
-                    items_t.c.lease_expires < time.time(),
-                )
-                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
-            )
-            return int(result.rowcount)
+        """Put back to pending the running items whose lease has expired (the database's clock)."""
+        return self.requeue_expired_jobs([job_id])
 
     def requeue_expired_jobs(self, job_ids: Sequence[int] | None = None) -> int:
         """:meth:`requeue_expired` for several jobs at once (every job when None): a worker's sweep."""
@@ -601,7 +684,7 @@ class Ledger:
                 .where(
                     items_t.c.job_id.in_(ids),
                     items_t.c.state == ItemState.RUNNING,
-                    items_t.c.lease_expires < time.time(),
+                    items_t.c.lease_expires < self._db_now(),
                 )
                 .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
             )
@@ -665,8 +748,13 @@ class Ledger:
             return 0.0
         return max(0.0, -float(row.level) / float(row.rate))
 
-    def claim(self, job_id: int, run_id: str, limit: int, lease_seconds: float) -> list[ClaimedItem]:
-        """Lease up to ``limit`` pending items to ``run_id``, in input order."""
+    def claim(
+        self, job_id: int, run_id: str, limit: int, lease_seconds: float, *, exclusive: bool = False
+    ) -> list[ClaimedItem]:
+        """Lease up to ``limit`` pending items to ``run_id``, in input order.
+
+        With ``exclusive``, only while the job lock is this run's (LockLostError otherwise).
+        """
         pick = (
             select(items_t.c.id)
             .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.PENDING)
@@ -678,20 +766,27 @@ class Ledger:
         stmt = (
             update(items_t)
             .where(items_t.c.id.in_(pick.scalar_subquery()))
-            .values(state=ItemState.RUNNING, lease_owner=run_id, lease_expires=time.time() + lease_seconds)
+            .values(state=ItemState.RUNNING, lease_owner=run_id, lease_expires=self._db_now() + lease_seconds)
             .returning(
-                items_t.c.id, items_t.c.custom_id, items_t.c.url, items_t.c.body, items_t.c.attempts, items_t.c.max_tokens
+                items_t.c.id, items_t.c.custom_id, items_t.c.url, items_t.c.body, items_t.c.attempts,
+                items_t.c.max_tokens, items_t.c.followups,
             )
         )
         with self._write() as conn:
+            if exclusive:
+                self._renew_lock(conn, job_id, run_id)
             rows = conn.execute(stmt).all()
         return sorted((ClaimedItem(*r) for r in rows), key=lambda c: c.id)
 
     def record(self, run_id: str, outcomes: Sequence[Outcome], attempts: Sequence[AttemptRecord]) -> None:
         """Write a batch of outcomes and attempts in one transaction.
 
-        An outcome only lands on an item this run still holds: a lease lost to
-        another run (or a cancel) is not overwritten.
+        A success lands on an item that has no answer yet, whoever holds it now
+        (a run whose lease lapsed while it waited for the answer: the first
+        committed answer wins, and nothing paid for is thrown away); any other
+        outcome only on an item this run still holds. Idempotent, so a write
+        replayed after a lost acknowledgement changes nothing more: attempts are
+        keyed by ``(run_id, seq)`` and charged once, outcomes are guarded by state.
         """
         if not outcomes and not attempts:
             return
@@ -701,9 +796,16 @@ class Ledger:
         with self._write() as conn:
             if attempts:
                 rows = [{k: _no_nul(v) for k, v in a.__dict__.items() if k != "counted"} for a in attempts]
-                conn.execute(insert(attempts_t), rows)
+                added = set(
+                    conn.execute(
+                        postgresql.insert(attempts_t)
+                        .on_conflict_do_nothing(index_elements=[attempts_t.c.run_id, attempts_t.c.seq])
+                        .returning(attempts_t.c.seq),
+                        rows,
+                    ).scalars()
+                )
                 # The attempt budget lives here, so it holds across restarts and kills.
-                charged = Counter(a.item_id for a in attempts if a.counted)
+                charged = Counter(a.item_id for a in attempts if a.counted and a.seq in added)
                 if charged:
                     conn.execute(
                         update(items_t)
@@ -711,27 +813,26 @@ class Ledger:
                         .values(attempts=items_t.c.attempts + bindparam("b_n")),
                         [{"b_id": item_id, "b_n": n} for item_id, n in charged.items()],
                     )
-            if outcomes:
-                guard = (
-                    (items_t.c.id == bindparam("b_id"))
-                    & (items_t.c.lease_owner == run_id)
-                    & (items_t.c.state == ItemState.RUNNING)
-                )
-                for columns, fixed, batch in (
-                    (_FINAL_COLUMNS, {}, [o for o in outcomes if o.state != ItemState.PENDING]),
-                    (_BACK_COLUMNS, {"state": ItemState.PENDING}, [o for o in outcomes if o.state == ItemState.PENDING]),
-                ):
-                    if batch:
-                        values: dict[str, Any] = {c: bindparam(f"b_{c}") for c in columns}
-                        conn.execute(
-                            update(items_t)
-                            .where(guard)
-                            .values(**values, **fixed, lease_owner=None, lease_expires=None),
-                            [{k: _no_nul(v) for k, v in _bind(o).items()} for o in batch],
-                        )
+            held = (items_t.c.lease_owner == run_id) & (items_t.c.state == ItemState.RUNNING)
+            # (no IN list: an expanding parameter cannot go through executemany)
+            unanswered = (items_t.c.state == ItemState.PENDING) | (items_t.c.state == ItemState.RUNNING)
+            cleared = {"lease_owner": None, "lease_expires": None}
+            for columns, guard, fixed, batch in (
+                (_FINAL_COLUMNS, unanswered, cleared, [o for o in outcomes if o.state == ItemState.SUCCEEDED]),
+                (_FINAL_COLUMNS, held, cleared, [o for o in outcomes if o.state not in _NOT_FINAL]),
+                (_BACK_COLUMNS, held, {"state": ItemState.PENDING, **cleared},
+                 [o for o in outcomes if o.state == ItemState.PENDING]),
+                (("followups",), held, {}, [o for o in outcomes if o.state == ItemState.RUNNING]),
+            ):
+                if batch:
+                    values: dict[str, Any] = {c: bindparam(f"b_{c}") for c in columns}
+                    conn.execute(
+                        update(items_t).where((items_t.c.id == bindparam("b_id")) & guard).values(**values, **fixed),
+                        [{k: _no_nul(v) for k, v in _bind(o).items()} for o in batch],
+                    )
 
     def _record_sqlite(self, run_id: str, outcomes: Sequence[Outcome], attempts: Sequence[AttemptRecord]) -> None:
-        """:meth:`record` for SQLite, with the same statements written for its driver."""
+        """:meth:`record` for SQLite, with the same statements written for its driver (never replayed)."""
         with self._write() as conn:
             if attempts:
                 conn.exec_driver_sql(
@@ -740,17 +841,22 @@ class Ledger:
                 charged = Counter(a.item_id for a in attempts if a.counted)
                 if charged:
                     conn.exec_driver_sql(_SQLITE_CHARGE_ATTEMPTS, [(n, item_id) for item_id, n in charged.items()])
-            finished = [o for o in outcomes if o.state != ItemState.PENDING]
-            if finished:
-                conn.exec_driver_sql(
-                    _SQLITE_FINISH,
-                    [(*(getattr(o, c) for c in _FINAL_COLUMNS), o.item_id, run_id) for o in finished],
-                )
+            for statement, batch, holder in (
+                (_SQLITE_LAND, [o for o in outcomes if o.state == ItemState.SUCCEEDED], ()),
+                (_SQLITE_FINISH, [o for o in outcomes if o.state not in _NOT_FINAL], (run_id,)),
+            ):
+                if batch:
+                    conn.exec_driver_sql(
+                        statement, [(*(getattr(o, c) for c in _FINAL_COLUMNS), o.item_id, *holder) for o in batch]
+                    )
             back = [o for o in outcomes if o.state == ItemState.PENDING]
             if back:
                 conn.exec_driver_sql(
                     _SQLITE_PUT_BACK, [(*(getattr(o, c) for c in _BACK_COLUMNS), o.item_id, run_id) for o in back]
                 )
+            progress = [o for o in outcomes if o.state == ItemState.RUNNING]
+            if progress:
+                conn.exec_driver_sql(_SQLITE_PROGRESS, [(o.followups, o.item_id, run_id) for o in progress])
 
     def find_cached(self, keys: Collection[str]) -> dict[str, CachedAnswer]:
         """The newest succeeded answer in any job for each of these request keys (one query).
@@ -796,6 +902,16 @@ class Ledger:
                 .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
             )
 
+    def release_held(self, job_id: int, run_id: str) -> int:
+        """Give back every item still leased to ``run_id`` (a run's end: nothing it claimed stays running)."""
+        with self._write() as conn:
+            result = conn.execute(
+                update(items_t)
+                .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.RUNNING, items_t.c.lease_owner == run_id)
+                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
+            )
+            return int(result.rowcount)
+
     # -- user actions -------------------------------------------------------
 
     def retry(
@@ -816,6 +932,7 @@ class Ledger:
             "error_message": None,
             "status_code": None,
             "finished_at": None,
+            "followups": None,
         }
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
@@ -1137,19 +1254,19 @@ class Ledger:
             last = rows[-1][0]
 
     def shadowed_rejections(self, job_id: int) -> set[int]:
-        """Lines of rejected items whose custom_id another line already uses.
+        """Ids of rejected items whose custom_id another line already uses.
 
         Output has one line per custom_id: such a rejected line is listed only
         in the errors file. Rejected lines are few, so this is a small query.
         """
         rejected = (
-            select(items_t.c.line, items_t.c.custom_id)
+            select(items_t.c.id, items_t.c.line, items_t.c.custom_id)
             .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.REJECTED)
             .subquery()
         )
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(rejected.c.line, rejected.c.custom_id).order_by(rejected.c.line)
+                select(rejected.c.id, rejected.c.custom_id).order_by(rejected.c.line)
             ).all()
             if not rows:
                 return set()
@@ -1164,9 +1281,9 @@ class Ledger:
             )
         shadowed: set[int] = set()
         seen: set[str] = set()
-        for line, custom_id in rows:
+        for item_id, custom_id in rows:
             if custom_id in taken or custom_id in seen:
-                shadowed.add(line)
+                shadowed.add(item_id)
             seen.add(custom_id)
         return shadowed
 

@@ -130,14 +130,18 @@ def test_claim_leases_in_order_and_never_twice(ledger: Ledger) -> None:
     assert ledger.counts(job_id)[ItemState.RUNNING] == 10
 
 
-def test_outcomes_only_land_on_items_the_run_holds(ledger: Ledger) -> None:
+def test_outcomes_land_on_held_items_and_the_first_answer_wins(ledger: Ledger) -> None:
     job_id = make_job(ledger, 3)
     run_a = ledger.start_run(job_id, "test", exclusive=False)
     claimed = ledger.claim(job_id, run_a, 3, 60)
+    # Anything but an answer only lands on an item its run holds.
     ledger.record(
-        "someone-else", [Outcome(claimed[0].id, ItemState.SUCCEEDED, 1, status_code=200, output="x")], []
+        "someone-else",
+        [Outcome(claimed[0].id, ItemState.FAILED, 1, error_class="client_error"),
+         Outcome(claimed[1].id, ItemState.PENDING, 1, error_class="server_error")],
+        [],
     )
-    assert ledger.counts(job_id)[ItemState.SUCCEEDED] == 0
+    assert ledger.counts(job_id)[ItemState.RUNNING] == 3
     ledger.record(
         run_a,
         [
@@ -158,6 +162,37 @@ def test_outcomes_only_land_on_items_the_run_holds(ledger: Ledger) -> None:
     # A second record of the same success is ignored: the lease is gone.
     ledger.record(run_a, [Outcome(claimed[0].id, ItemState.FAILED, 9)], [])
     assert {r.custom_id: r.state for r in ledger.iter_items(job_id)}["c1"] == ItemState.SUCCEEDED
+
+
+def test_a_late_answer_lands_on_an_item_with_none(ledger: Ledger) -> None:
+    """A run whose lease lapsed while its answer came back: the answer is paid for, so it lands
+    if the item has none yet (pending again, or re-leased to another run); a second answer never does."""
+    job_id = make_job(ledger, 2)
+    slow = ledger.start_run(job_id, "worker", exclusive=False)
+    taken = ledger.claim(job_id, slow, 2, -1)  # leases already expired
+    assert ledger.requeue_expired(job_id) == 2
+    other = ledger.start_run(job_id, "worker", exclusive=False)
+    assert [c.id for c in ledger.claim(job_id, other, 1, 60)] == [taken[0].id]
+    ledger.record(
+        slow,
+        [Outcome(taken[0].id, ItemState.SUCCEEDED, 1, status_code=200, output="late, while re-leased"),
+         Outcome(taken[1].id, ItemState.SUCCEEDED, 1, status_code=200, output="late, while pending")],
+        [],
+    )
+    ledger.record(other, [Outcome(taken[0].id, ItemState.SUCCEEDED, 1, status_code=200, output="second")], [])
+    rows = {r.custom_id: r for r in ledger.iter_items(job_id)}
+    assert {k: (r.state, r.output) for k, r in rows.items()} == {
+        "c1": (ItemState.SUCCEEDED, "late, while re-leased"),
+        "c2": (ItemState.SUCCEEDED, "late, while pending"),
+    }
+    assert ledger.counts(job_id)[ItemState.RUNNING] == 0
+    # A cancelled item stays cancelled.
+    job_2 = make_job(ledger, 1)
+    gone = ledger.start_run(job_2, "worker", exclusive=False)
+    item = ledger.claim(job_2, gone, 1, 60)[0]
+    ledger.cancel(job_2)
+    ledger.record(gone, [Outcome(item.id, ItemState.SUCCEEDED, 1, status_code=200, output="x")], [])
+    assert ledger.counts(job_2)[ItemState.CANCELLED] == 1
 
 
 def test_exclusive_lock_names_the_holder_and_dead_holders_do_not_block(ledger: Ledger) -> None:

@@ -14,7 +14,7 @@ def item_rows(lines: range, key: str = "c") -> list[dict[str, object]]:
     return [{"line": i, "custom_id": f"{key}{i}", "url": None, "body": "{}", "state": ItemState.PENDING} for i in lines]
 
 
-def test_taken_custom_ids_are_skipped_within_and_across_batches(ledger: Ledger) -> None:
+def test_taken_custom_ids_are_rejected_within_and_across_batches(ledger: Ledger) -> None:
     job_id = ledger.create_job(SPEC, input_path="in.jsonl", input_hash="dupes")
     assert ledger.insert_items(job_id, item_rows(range(1, 101))) == []
     again = item_rows(range(101, 104))
@@ -22,13 +22,20 @@ def test_taken_custom_ids_are_skipped_within_and_across_batches(ledger: Ledger) 
     again[2]["custom_id"] = "c101"  # taken by the first line of this batch
     dupes = ledger.insert_items(job_id, again)
     assert [(row["line"], first) for row, first in dupes] == [(102, 7), (103, 101)]
+    # Stored in the same transaction as rejected lines: no line of a batch is ever left out.
     rows = list(ledger.iter_items(job_id))
-    assert [r.line for r in rows] == [*range(1, 102)]
+    assert [r.line for r in rows] == [*range(1, 104)]
+    assert [(r.custom_id, r.state, r.error_class) for r in rows[-2:]] == [
+        ("c7", ItemState.REJECTED, "duplicate_custom_id"), ("c101", ItemState.REJECTED, "duplicate_custom_id"),
+    ]
+    # A line already stored is left as it is, whatever the batch says of it (each line is stored once).
+    assert ledger.insert_items(job_id, item_rows(range(102, 103), key="other")) == []
+    assert [r.custom_id for r in ledger.iter_items(job_id) if r.line == 102] == ["c7"]
     # A rejected line may repeat a custom_id; the batch still goes in whole.
     rejected = {"line": 104, "custom_id": "c1", "url": None, "body": None, "state": ItemState.REJECTED,
                 "error_class": "duplicate", "error_message": "dup"}
     assert ledger.insert_items(job_id, [rejected, *item_rows(range(105, 107))]) == []
-    assert ledger.finish_ingest(job_id) == 104
+    assert ledger.finish_ingest(job_id) == 106
 
 
 def test_nul_in_a_batch_is_stored(ledger: Ledger) -> None:

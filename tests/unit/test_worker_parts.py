@@ -9,7 +9,7 @@ import psycopg
 import pytest
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from batchrun.ledger.reconnect import is_disconnect, ride_out
+from batchrun.ledger.reconnect import is_transient, ride_out
 from batchrun.ratelimit import AdaptiveConcurrency, SharedTokenBucket
 
 
@@ -85,9 +85,9 @@ def test_ride_out_retries_disconnects_only_and_gives_up_in_time() -> None:
     with pytest.raises(OperationalError):
         asyncio.run(ride_out(disk, for_seconds=10, what="test"))
     assert time.monotonic() - started < 1
-    assert is_disconnect(OperationalError("x", {}, psycopg.OperationalError("y")))
-    assert not is_disconnect(OperationalError("x", {}, Exception("y")))
-    assert not is_disconnect(ValueError())
+    assert is_transient(OperationalError("x", {}, psycopg.OperationalError("y")))
+    assert not is_transient(OperationalError("x", {}, Exception("y")))
+    assert not is_transient(ValueError())
 
 
 def test_concurrency_limit_can_be_shared_out() -> None:
