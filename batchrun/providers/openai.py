@@ -10,7 +10,7 @@ import httpx
 import orjson
 
 from batchrun import tokens
-from batchrun.errors import ProviderError, RetryableError
+from batchrun.errors import PermanentError, ProviderError, RetryableError
 from batchrun.jsonutil import json_or_none
 from batchrun.providers.base import (
     JSON_HEADERS,
@@ -147,18 +147,22 @@ class OpenAIProvider:
 
     def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
         data, text = parse_openai_body(status_code, headers, content)
-        output: str | None = None
-        finish_reason: str | None = None
-        refusal: str | None = None
         choices = data.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            answer = choices[0].get("message")
-            if isinstance(answer, dict):
-                content_value = answer.get("content")
-                output = content_value if isinstance(content_value, str) else None
-                refusal_value = answer.get("refusal")
-                refusal = refusal_value if isinstance(refusal_value, str) else None
-            finish_reason = choices[0].get("finish_reason")
+        first = choices[0] if isinstance(choices, list) and choices else None
+        answer = first.get("message") if isinstance(first, dict) else None
+        if not isinstance(first, dict) or not isinstance(answer, dict):
+            raise no_answer(status_code, text, "no choices[0].message")
+        content_value = answer.get("content")
+        output = content_value if isinstance(content_value, str) else None
+        refusal_value = answer.get("refusal")
+        refusal = refusal_value if isinstance(refusal_value, str) else None
+        finish_reason = first.get("finish_reason")
+        if finish_reason == "content_filter" and not (output or refusal or answer.get("tool_calls")):
+            raise content_filtered(status_code, text, filtered_categories(first.get("content_filter_results")))
+        if output is None and finish_reason in (None, "stop") and not (
+            refusal or any(answer.get(k) for k in ("tool_calls", "function_call", "audio"))
+        ):
+            raise no_answer(status_code, text, "message.content is null and the message holds nothing else")
         usage_value = data.get("usage")
         usage: dict[str, Any] = usage_value if isinstance(usage_value, dict) else {}
         details = usage.get("prompt_tokens_details")
@@ -245,6 +249,7 @@ class ChatStreamAssembler:
         self.usage: Any = None
         self.head: dict[str, Any] = {}
         self.done = False
+        self.answered = False  # a chunk carried choice 0: without one, there is no answer to rebuild
 
     def feed(self, event: str, data: str) -> bool:
         if data == "[DONE]":
@@ -261,6 +266,7 @@ class ChatStreamAssembler:
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
+            self.answered = True
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 self.parts.append(delta["content"])
@@ -275,6 +281,8 @@ class ChatStreamAssembler:
     def body(self) -> bytes:
         if not (self.done or (self.finish_reason and self.usage)):
             raise stream_error("no finish_reason and [DONE] after the last chunk")
+        if not self.answered:
+            raise RetryableError("the stream ended without any choice: no answer", error_class="bad_response")
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.parts) if self.parts else None}
         if self.refusal:
             message["refusal"] = "".join(self.refusal)
@@ -286,6 +294,40 @@ class ChatStreamAssembler:
             "choices": [{"index": 0, "message": message, "finish_reason": self.finish_reason}],
             "usage": self.usage,
         })
+
+
+def no_answer(status_code: int, text: str, what: str) -> RetryableError:
+    """A 2xx whose body holds no answer at all: broken on the way, so retryable (``bad_response``)."""
+    return RetryableError(
+        f"HTTP {status_code} with no answer in the body ({what}): {text[:200]!r}",
+        status_code=status_code,
+        error_class="bad_response",
+        body=text,
+    )
+
+
+def content_filtered(status_code: int, text: str, detail: str | None) -> PermanentError:
+    """The provider's content filter withheld the whole answer: asking again is paid for and
+    filtered the same way, so it is permanent (``content_filter``); ``batchrun retry`` can re-ask."""
+    reason = f" (flagged: {detail})" if detail else ""
+    return PermanentError(
+        f"HTTP {status_code}: the provider's content filter withheld the answer{reason}",
+        status_code=status_code,
+        error_class="content_filter",
+        body=text,
+    )
+
+
+def filtered_categories(results: Any) -> str | None:
+    """The categories an Azure-style ``content_filter_results`` object marks ``filtered``, with severity."""
+    if not isinstance(results, dict):
+        return None
+    flagged = []
+    for name, verdict in results.items():
+        if isinstance(verdict, dict) and verdict.get("filtered") is True:
+            severity = verdict.get("severity")
+            flagged.append(f"{name} ({severity})" if isinstance(severity, str) else str(name))
+    return ", ".join(flagged) or None
 
 
 def parse_openai_body(status_code: int, headers: httpx.Headers, content: bytes) -> tuple[dict[str, Any], str]:

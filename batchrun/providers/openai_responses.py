@@ -30,7 +30,9 @@ from batchrun.providers.base import (
 )
 from batchrun.providers.openai import (
     OpenAIProvider,
+    content_filtered,
     counted_prompt,
+    no_answer,
     openai_error_event,
     openai_rate_limits,
     parse_openai_body,
@@ -111,9 +113,12 @@ class OpenAIResponsesProvider(OpenAIProvider):
         status = data.get("status")
         if status == "failed":
             raise _failed(data, text)
+        items = data.get("output")
+        if not isinstance(items, list):
+            raise no_answer(status_code, text, "no output list")
         texts: list[str] = []
         refusals: list[str] = []
-        for item in data.get("output") or ():
+        for item in items:
             if not isinstance(item, dict) or item.get("type") != "message":
                 continue
             for part in item.get("content") or ():
@@ -128,6 +133,8 @@ class OpenAIResponsesProvider(OpenAIProvider):
             details = data.get("incomplete_details")
             reason = details.get("reason") if isinstance(details, dict) else None
             finish_reason = _INCOMPLETE_FINISH.get(str(reason), str(reason))
+            if finish_reason == "content_filter" and not (any(texts) or refusals or _calls(items)):
+                raise content_filtered(status_code, text, None)  # withheld before any answer
         usage_value = data.get("usage")
         usage: dict[str, Any] = usage_value if isinstance(usage_value, dict) else {}
         details = usage.get("input_tokens_details")
@@ -183,6 +190,11 @@ class ResponsesStreamAssembler:
         if self.final is None:
             raise stream_error("no response.completed or response.incomplete event")
         return orjson.dumps(self.final)
+
+
+def _calls(items: list[Any]) -> bool:
+    """Whether the output holds a tool call (an answer without text), not just messages or reasoning."""
+    return any(isinstance(item, dict) and item.get("type") not in ("message", "reasoning") for item in items)
 
 
 def _failed(response: Mapping[str, Any], raw: str) -> ProviderError:
