@@ -11,7 +11,15 @@ STARTUP_GC_THRESHOLD = (50_000, 20, 20)
 
 
 def main() -> None:
-    """Run the command line, with the collector mostly idle while it starts."""
+    """Run the command line, with the collector mostly idle while it starts.
+
+    SIGINT/SIGTERM are held from here on (batchrun/interrupt.py): a signal during
+    the imports, the spec or the ledger stops the command cleanly (exit 75) at
+    its next clean point instead of killing it.
+    """
+    from batchrun import interrupt
+
+    interrupt.hold()
     gc.set_threshold(*STARTUP_GC_THRESHOLD)
     from batchrun.cli import main as cli
 

@@ -11,22 +11,24 @@ import contextlib
 import functools
 import gc
 import logging
-import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import orjson
 
+from batchrun import interrupt
 from batchrun.errors import (
     EXIT_BUDGET,
     EXIT_OK,
     EXIT_SOME_FAILED,
     EXIT_TEMPFAIL,
     BatchrunError,
+    ExportWriteError,
+    StoppedError,
     UsageError,
 )
 from batchrun.export import FORMATS, check_target, export_job
@@ -45,10 +47,15 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 RUN_GC_THRESHOLD = (700, 10, 10)  # CPython's defaults
+# Commands that keep SIGINT/SIGTERM held from start-up (batchrun/interrupt.py): they store, send or
+# write, and a signal stops them at a clean point with exit 75. The others get the usual behaviour.
+RUN_COMMANDS = frozenset({"submit", "resume", "worker", "export", "demo"})
 
 
 def _fail(exc: BatchrunError) -> None:
-    click.echo(f"batchrun: error: {redact(exc.message)}", err=True)
+    # A stop is not an error: it says where it stopped and how to carry on.
+    label = "" if isinstance(exc, StoppedError) else "error: "
+    click.echo(f"batchrun: {label}{redact(exc.message)}", err=True)
     sys.exit(exc.exit_code)
 
 
@@ -165,6 +172,10 @@ def main(verbose: int) -> None:
     error (nothing sent), 3 authentication refused, 4 budget reached, 75 stopped
     early with work left (resume later).
     """
+    if not interrupt.held():
+        interrupt.reset()  # in-process (tests): each invocation starts with no signal seen
+    if click.get_current_context().invoked_subcommand not in RUN_COMMANDS:
+        interrupt.release()
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="batchrun: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for handler in logging.getLogger().handlers:
@@ -198,6 +209,8 @@ def _work(
             nonlocal progress
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, _on_signal, runner, runner.spec.run.grace_seconds, signum)
+            if interrupt.stop_requested():  # came after the last stop point, before these handlers
+                runner.request_stop("signal", f"stopped by {interrupt.received()}")
             if not quiet or log_file:
                 progress = asyncio.create_task(show_progress(runner, todo, interval=progress_interval, quiet=quiet))
 
@@ -211,7 +224,8 @@ def _work(
             )
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(signum)
+                loop.remove_signal_handler(signum)  # asyncio puts the default handlers back...
+            interrupt.rehold()  # ...and the export after the run needs ours
             if progress is not None:
                 progress.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -261,16 +275,11 @@ def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
-_signals_seen: list[int] = []
-
-
 def _on_signal(runner: JobRunner | Worker, grace_seconds: float, signum: int) -> None:
-    """First SIGINT/SIGTERM: stop claiming and drain. Second: exit now (leases expire; a resume or
-    another worker takes the items back)."""
-    _signals_seen.append(signum)
+    """First SIGINT/SIGTERM: stop claiming and drain. Second (counting one before the run): exit 75
+    now (leases expire; a resume or another worker takes the items back)."""
+    interrupt.note(signum)
     name = signal.Signals(signum).name
-    if len(_signals_seen) > 1:
-        os._exit(EXIT_TEMPFAIL)
     click.echo(
         f"batchrun: {name}: finishing requests in flight (up to {grace_seconds:g} s); send again to stop at once",
         err=True,
@@ -278,24 +287,38 @@ def _on_signal(runner: JobRunner | Worker, grace_seconds: float, signum: int) ->
     runner.request_stop("signal", f"stopped by {name}")
 
 
-@contextlib.contextmanager
-def _stoppable() -> Iterator[Callable[[], bool]]:
-    """SIGINT/SIGTERM during a synchronous phase (reading the input) ask it to stop at a clean point.
+def _stoppable() -> contextlib.AbstractContextManager[Callable[[], bool]]:
+    """SIGINT/SIGTERM during a synchronous phase (reading the input, writing the output) ask it to
+    stop at a clean point.
 
     Yields the ``should_stop`` callable to hand to the library; it raises
-    StoppedError (exit 75) between batches, never in the middle of a write.
+    StoppedError (exit 75) between batches or lines, never in the middle of a write.
+    The command holds the signals all along; in-process callers get them held
+    for the block only.
     """
-    seen: list[int] = []
+    return interrupt.holding()
 
-    def note(signum: int, frame: object) -> None:
-        seen.append(signum)
 
-    previous = {signum: signal.signal(signum, note) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield lambda: bool(seen)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+def _stop_point(job_id: int | None = None, *, ledger: Ledger | None = None, as_json: bool = False) -> None:
+    """A phase boundary outside the run loop: a signal that came meanwhile stops the command here
+    (exit 75) with what to run to carry on."""
+    name = interrupt.received()
+    if name is None:
+        return
+    if job_id is None:
+        raise StoppedError(f"stopped by {name} before the job was stored (nothing was sent); "
+                           "run the same command again to carry on")
+    if as_json and ledger is not None:
+        counts = ledger.counts(job_id)
+        click.echo(orjson.dumps({"job_id": job_id, "total": sum(counts.values()), "counts": counts,
+                                 "exit_code": EXIT_TEMPFAIL, "stop_reason": "signal", "output": None}).decode())
+    raise StoppedError(f"stopped by {name} before the run started; carry on with: batchrun resume {job_id}")
+
+
+def _export_command(job_id: int, output: str, fmt: str, errors: str | None) -> str:
+    """The ``batchrun export`` command that writes what an interrupted export did not."""
+    return (f"batchrun export {job_id} --output {output}" + (f" --format {fmt}" if fmt != "results" else "")
+            + (f" --errors {errors}" if errors else ""))
 
 
 def _finish(
@@ -309,8 +332,22 @@ def _finish(
     as_json: bool,
 ) -> None:
     exported = None
-    if output and summary.exit_code in (EXIT_OK, EXIT_SOME_FAILED):
-        exported = export_job(ledger, summary.job_id, output, fmt=fmt, errors=errors, force=force)
+    exit_code = summary.exit_code
+    unwritten: BatchrunError | None = None  # the job is finished, its output file is not
+    if output and exit_code in (EXIT_OK, EXIT_SOME_FAILED):
+        try:
+            with _stoppable() as should_stop:
+                exported = export_job(ledger, summary.job_id, output, fmt=fmt, errors=errors, force=force,
+                                      should_stop=should_stop)
+        except StoppedError as exc:
+            unwritten = StoppedError(
+                f"{interrupt.received() or 'signal'}: {exc.message}; job {summary.job_id} is finished; "
+                f"write the output with: {_export_command(summary.job_id, output, fmt, errors)}"
+            )
+        except ExportWriteError as exc:
+            unwritten = exc
+        if unwritten is not None:
+            exit_code = unwritten.exit_code
     counts = summary.counts
     cached = ledger.cached_count(summary.job_id)
     if as_json:
@@ -321,8 +358,8 @@ def _finish(
                     "total": sum(counts.values()),
                     "counts": counts,
                     "cached": cached,
-                    "exit_code": summary.exit_code,
-                    "stop_reason": summary.result.stop_reason,
+                    "exit_code": exit_code,
+                    "stop_reason": summary.result.stop_reason or ("signal" if isinstance(unwritten, StoppedError) else None),
                     "output": str(exported.path) if exported else None,
                     "errors_file": str(exported.errors_path) if exported and exported.errors_path else None,
                 }
@@ -339,6 +376,8 @@ def _finish(
                 click.echo(f"errors: {exported.errors_path} ({exported.error_lines} lines)")
     if summary.result.stop_message:
         click.echo(f"batchrun: {summary.result.stop_message}", err=True)
+    if unwritten is not None:
+        _fail(unwritten)
     if summary.exit_code == EXIT_TEMPFAIL:
         click.echo(f"batchrun: job {summary.job_id} has work left; carry on with: batchrun resume {summary.job_id}", err=True)
     if summary.exit_code == EXIT_BUDGET:
@@ -399,14 +438,16 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
 
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
-    if not dry_run:
-        _log_to_file(kw.get("log_file"))
     if dry_run:
         from batchrun.jobs import dry_run as estimate
 
+        interrupt.release()  # stores and sends nothing: Ctrl-C just ends it
         _show_dry_run(estimate(job_spec, input_path, strict=strict), as_json=as_json)
         return
+    _log_to_file(kw.get("log_file"))
+    _stop_point()  # start-up (imports, the spec)
     with _open(db) as ledger:
+        _stop_point()
         with _stoppable() as should_stop:
             prepared = prepare_job(ledger, job_spec, input_path, new=new, strict=strict, should_stop=should_stop)
         _check_targets(ledger, prepared.job_id, output, errors, force)
@@ -423,6 +464,7 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
                 counts = ledger.counts(prepared.job_id)
                 click.echo(orjson.dumps({"job_id": prepared.job_id, "total": sum(counts.values()), "counts": counts}).decode())
             return
+        _stop_point(prepared.job_id, ledger=ledger, as_json=as_json)
         summary = _work(ledger, prepared.job_id, overrides=overrides, command="submit", transport=transport,
                         quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"])
         _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
@@ -497,11 +539,13 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
 
     overrides = _overrides(kw)
     _log_to_file(kw.get("log_file"))
+    _stop_point(job)  # start-up
     with _open(db) as ledger:
         ledger.get_job(job)
         _check_targets(ledger, job, output, errors, force)
         with _stoppable() as should_stop:
             finish_interrupted_ingest(ledger, job, should_stop)
+        _stop_point(job, ledger=ledger, as_json=as_json)
         summary = _work(ledger, job, overrides=overrides, command="resume", transport=transport,
                         quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"])
         _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
@@ -668,8 +712,12 @@ def export_cmd(job: int, output: str, fmt: str, errors: str | None, force: bool,
       batchrun export 3 --output results.jsonl --errors errors.jsonl
       batchrun export 3 --output batch_output.jsonl --format openai-batch
     """
-    with _open(db) as ledger:
-        result = export_job(ledger, job, output, fmt=fmt, errors=errors, force=force)
+    with _open(db) as ledger, _stoppable() as should_stop:
+        try:
+            result = export_job(ledger, job, output, fmt=fmt, errors=errors, force=force, should_stop=should_stop)
+        except StoppedError as exc:
+            again = _export_command(job, str(Path(output).absolute()), fmt, str(Path(errors).absolute()) if errors else None)
+            raise StoppedError(f"{interrupt.received() or 'signal'}: {exc.message}; write it with: {again}") from exc
     click.echo(f"output: {result.path} ({result.lines} lines)")
     if result.errors_path:
         click.echo(f"errors: {result.errors_path} ({result.error_lines} lines)")
@@ -868,6 +916,7 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
         concurrency=concurrency, poll_interval=poll, exit_when_idle=exit_when_idle, max_runtime=max_runtime,
         lease_seconds=lease, ledger_retry_seconds=db_retry, transport=transport,
     )
+    _stop_point_worker()
     with _open(db) as ledger:
         runner = Worker(ledger, list(jobs) or None, overrides=_overrides(kw), options=options)
 
@@ -875,15 +924,19 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, _on_signal, runner, runner.grace_seconds, signum)
+            if interrupt.stop_requested():  # came after the last stop point, before these handlers
+                runner.request_stop("signal", f"stopped by {interrupt.received()}")
             try:
                 return await runner.run()
             finally:
                 for signum in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(signum)
+                interrupt.rehold()
 
         if not quiet:
             served = " ".join(map(str, jobs)) if jobs else "every job with work"
             click.echo(f"batchrun: worker on {ledger.url}: {served}, concurrency {concurrency}", err=True)
+        _stop_point_worker()
         result = _run_loop(go())
     done = " ".join(f"{state}={n}" for state, n in sorted(result.done.items()) if n) or "nothing"
     click.echo(f"jobs {' '.join(map(str, result.jobs)) or '-'}: {done}")
@@ -892,6 +945,13 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
     if result.exit_code == EXIT_TEMPFAIL:
         click.echo("batchrun: work is left; start a worker again (or let the others finish it)", err=True)
     sys.exit(result.exit_code)
+
+
+def _stop_point_worker() -> None:
+    """A worker's stop point before its loop: nothing was claimed yet."""
+    name = interrupt.received()
+    if name is not None:
+        raise StoppedError(f"stopped by {name} before the worker started (nothing was claimed); start a worker again")
 
 
 @main.command()
@@ -914,10 +974,12 @@ def demo(example: str, db: str | None) -> None:
         job_id, output = prepare_demo(ledger, server.base_url, example)
         click.echo(str(job_id))
         click.echo(f"batchrun: demo endpoint {server.base_url}, ledger {ledger.url}", err=True)
+        _stop_point(job_id)
         summary = _work(ledger, job_id, overrides=Overrides(), command="demo", transport="aiohttp", quiet=False)
         db_hint = "" if db is None else f" --db {db}"
         if summary.exit_code in (EXIT_OK, EXIT_SOME_FAILED):
-            exported = export_job(ledger, job_id, output)
+            with _stoppable() as should_stop:
+                exported = export_job(ledger, job_id, output, should_stop=should_stop)
             click.echo(f"output: {exported.path} ({exported.lines} lines)")
         click.echo(" ".join(f"{k}={v}" for k, v in summary.counts.items() if v))
         click.echo(f"next: batchrun status {job_id}{db_hint}", err=True)

@@ -7,6 +7,7 @@
     │   ├── SpecError
     │   ├── InputError
     │   └── ExportError
+    │       └── ExportWriteError  exit 75: the file could not be written; the results are safe
     ├── JobNotFoundError      exit 2
     ├── JobLockedError        exit 75: another run holds the job
     │   └── LockLostError     exit 75: this run stalled and another took the job over
@@ -69,6 +70,17 @@ class InputError(UsageError):
 
 class ExportError(UsageError):
     """The export cannot be written."""
+
+
+class ExportWriteError(ExportError):
+    """The output could not be written (full disk, permission, read-only folder).
+
+    Exit 75, not 2: the job's results are whole and safe in the ledger and
+    nothing more will be sent; only the file is missing, and writing it again
+    (the same command, or ``batchrun export``) sends nothing.
+    """
+
+    exit_code = 75
 
 
 class JobNotFoundError(BatchrunError):

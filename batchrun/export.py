@@ -3,22 +3,30 @@
 A file is written to a temporary name in the same folder, fsynced and renamed
 over the target, so a reader sees the old file or the new one, never half of
 one. An existing file is only replaced when its content is one of this job's
-own earlier exports (their hashes are in the ledger), or with ``force``.
+own earlier exports (their hashes are in the ledger), or with ``force``; the
+hash is recorded before the rename, so a crash between the two never leaves
+the job's own file looking foreign.
+
+A write holds an exclusive ``flock`` on its temporary file until the rename.
+The temporary files of a killed write (``.NAME.*.tmp``) are removed by the next
+write of that file: those whose lock is free, never one a live write holds.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import stat
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import orjson
 
-from batchrun.errors import ExportError
+from batchrun.errors import ExportError, ExportWriteError, StoppedError
 from batchrun.ledger import ItemRow, ItemState, Ledger
 from batchrun.jsonutil import json_or_none
 
@@ -26,6 +34,8 @@ FORMATS = ("results", "openai-batch", "anthropic-batch")
 # The batch formats carry the provider's own answer bodies, so each fits its provider's jobs.
 _FORMAT_KINDS = {"openai-batch": ("openai", "openai-responses"), "anthropic-batch": ("anthropic",)}
 ERROR_STATES = (ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED)
+TEMP_SUFFIX = ".tmp"
+_TEMP_STEM = 200  # of the target's name in a temporary name: room is left for the random part (255 in all)
 
 
 @dataclass(frozen=True)
@@ -144,25 +154,53 @@ def check_target(ledger: Ledger, job_id: int, path: Path, *, force: bool) -> Non
         raise ExportError(f"{path}: folder {path.parent} does not exist")
     if force or not path.exists():
         return
-    if not ledger.is_export_of(job_id, file_sha256(path)):
+    try:
+        sha = file_sha256(path)
+    except OSError as exc:
+        raise ExportError(
+            f"{path}: cannot read it to check it is an earlier export of job {job_id}: {exc.strerror or exc}"
+        ) from exc
+    if not ledger.is_export_of(job_id, sha):
         raise ExportError(
             f"{path} already exists and is not an earlier export of job {job_id}; "
             "choose another --output or pass --force to replace it"
         )
 
 
-def write_atomic(path: Path, lines: Iterable[dict[str, Any]]) -> tuple[int, str]:
-    """Write JSON lines to ``path`` via a temporary file, fsync and rename; return (lines, sha256)."""
+def write_atomic(
+    path: Path,
+    chunks: Iterable[bytes],
+    *,
+    should_stop: Callable[[], bool] | None = None,
+    before_rename: Callable[[str, int], None] | None = None,
+) -> tuple[int, str]:
+    """Write ``chunks`` to ``path`` via a locked temporary file, fsync and rename; (chunks, sha256).
+
+    ``should_stop`` is asked before each chunk: True stops the write (StoppedError)
+    and removes the temporary file; ``path`` is untouched. ``before_rename`` gets
+    (sha256, chunks) once the file is on disk, before it replaces ``path``.
+    OSError (after the temporary file is removed) when the folder refuses the file.
+    """
     digest = hashlib.sha256()
     count = 0
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if should_stop and should_stop():
+        raise StoppedError(f"stopped before writing {path}")
+    remove_stale_temps(path)
+    fd, tmp_name = _locked_temp(path)
+    f = os.fdopen(fd, "wb", buffering=1 << 20)  # closing it releases the lock: only after the rename
     try:
         # mkstemp makes 0600; give the file the mode a plain create would (or the one it replaces).
         os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
-        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-            count = _write_lines(f, lines, digest.update)
-            f.flush()
-            os.fsync(f.fileno())
+        for chunk in chunks:
+            if should_stop and should_stop():
+                raise StoppedError(f"stopped while writing {path}; nothing was written there")
+            f.write(chunk)
+            digest.update(chunk)
+            count += 1
+        f.flush()
+        os.fsync(fd)
+        if before_rename is not None:
+            before_rename(digest.hexdigest(), count)
         os.replace(tmp_name, path)
     except BaseException:
         try:
@@ -170,6 +208,11 @@ def write_atomic(path: Path, lines: Iterable[dict[str, Any]]) -> tuple[int, str]
         except FileNotFoundError:
             pass
         raise
+    finally:
+        try:
+            f.close()
+        except OSError:
+            pass  # the data was fsynced or the write is failing anyway: its own error is the one to tell
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -178,20 +221,80 @@ def write_atomic(path: Path, lines: Iterable[dict[str, Any]]) -> tuple[int, str]
     return count, digest.hexdigest()
 
 
+def _locked_temp(path: Path) -> tuple[int, str]:
+    """A new temporary file beside ``path``, under our exclusive lock.
+
+    A cleaner may lock and delete the file between its creation and our lock:
+    then it is gone from the folder once we hold the lock, and we make another.
+    """
+    while True:
+        fd, name = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(fd, name):
+                return fd, name
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def remove_stale_temps(path: Path) -> int:
+    """Delete the temporary files earlier writes of ``path`` left (a killed export); how many.
+
+    Only those whose lock can be taken: a write in progress holds its own.
+    Best effort: a file that cannot be opened or locked is left alone.
+    """
+    prefix = _temp_prefix(path)
+    removed = 0
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return 0
+    for entry in entries:
+        name = entry.name
+        # .NAME.<random>.tmp exactly: not the leftover of a longer name sharing this prefix
+        if not (name.startswith(prefix) and name.endswith(TEMP_SUFFIX)) or "." in name[len(prefix) : -len(TEMP_SUFFIX)]:
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(fd, entry.path) and stat.S_ISREG(os.fstat(fd).st_mode):
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:
+            pass  # locked: a live write's (or not ours to delete)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name[:_TEMP_STEM]}."
+
+
+def _same_file(fd: int, name: str) -> bool:
+    """Whether ``name`` still names the open file ``fd``."""
+    try:
+        named = os.stat(name, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
-def _write_lines(f: BinaryIO, lines: Iterable[dict[str, Any]], update: Callable[[bytes], None]) -> int:
-    count = 0
+def _json_lines(lines: Iterable[dict[str, Any]]) -> Iterator[bytes]:
     for line in lines:
-        data = orjson.dumps(line) + b"\n"
-        f.write(data)
-        update(data)
-        count += 1
-    return count
+        yield orjson.dumps(line) + b"\n"
 
 
 def export_job(
@@ -202,8 +305,14 @@ def export_job(
     fmt: str = "results",
     errors: str | os.PathLike[str] | None = None,
     force: bool = False,
+    should_stop: Callable[[], bool] | None = None,
 ) -> ExportResult:
-    """Write the job's items to ``output`` (one line per input record) and, if asked, the errors file."""
+    """Write the job's items to ``output`` (one line per input record) and, if asked, the errors file.
+
+    ``should_stop`` is asked between lines (a signal): StoppedError, and the file
+    being written is left as it was. ExportWriteError (exit 75) when the folder
+    refuses the file.
+    """
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
     spec = ledger.get_job(job_id).spec
@@ -235,12 +344,23 @@ def export_job(
             else:
                 yield anthropic_batch_line(row)
 
-    lines, sha = write_atomic(path, main_lines())
-    ledger.record_export(job_id, str(path), fmt, sha, lines)
+    def write(target: Path, kind: str, rows: Iterable[dict[str, Any]]) -> int:
+        # The hash is recorded before the rename: a crash between the two must not leave this
+        # job's own file looking foreign to the next export (a hash of a file that never
+        # lands is harmless: it only lets this very content be replaced).
+        def record(sha: str, count: int) -> None:
+            ledger.record_export(job_id, str(target), kind, sha, count)
+
+        try:
+            return write_atomic(target, _json_lines(rows), should_stop=should_stop, before_rename=record)[0]
+        except OSError as exc:
+            raise ExportWriteError(
+                f"{target}: cannot write: {exc.strerror or exc}; the results are safe in the ledger: "
+                f"write them elsewhere with: batchrun export {job_id} --output OTHER"
+            ) from exc
+
+    lines = write(path, fmt, main_lines())
     error_lines = 0
     if errors_path:
-        error_lines, esha = write_atomic(
-            errors_path, (errors_line(r) for r in ledger.iter_items(job_id) if r.state in ERROR_STATES)
-        )
-        ledger.record_export(job_id, str(errors_path), "errors", esha, error_lines)
+        error_lines = write(errors_path, "errors", (errors_line(r) for r in ledger.iter_items(job_id) if r.state in ERROR_STATES))
     return ExportResult(path, lines, errors_path, error_lines)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ from rich.text import Text
 
 from batchrun.errors import ExportError
 from batchrun.budget import budget_status
+from batchrun.export import write_atomic
 from batchrun.ledger import ItemState, Ledger
 from batchrun.ledger.store import AttemptTotals, Distribution, ErrorGroup
 
@@ -507,21 +507,8 @@ def write_html_report(path: str | os.PathLike[str], page: str, *, force: bool = 
             raise ExportError(f"{target}: cannot read the existing file: {exc.strerror}") from exc
         if f'<meta name="generator" content="{HTML_GENERATOR}">' not in head:
             raise ExportError(f"{target} exists and is not a batchrun report; choose another name or pass --force")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        # mkstemp makes 0600; give the page the mode a plain create would (or the one it replaces).
-        mask = os.umask(0)
-        os.umask(mask)
-        os.fchmod(fd, target.stat().st_mode & 0o777 if target.exists() else 0o666 & ~mask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        write_atomic(target, [page.encode("utf-8")])  # the export's own atomic write, leftovers cleared
     except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise ExportError(f"{target}: cannot write the report: {exc.strerror}") from exc
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        raise ExportError(f"{target}: cannot write the report: {exc.strerror or exc}") from exc
     return target
