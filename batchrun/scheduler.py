@@ -206,6 +206,7 @@ class JobRunner:
         self._vouched_for = 0.75 * min(spec.run.lock_stale_seconds, self.lease_seconds / 2)
         self._vouched_until = (0.0, 0.0)  # (monotonic, wall) ends of the last confirmation
         self._confirmation: asyncio.Future[None] | None = None
+        self._lock_lost = False
         self._working: dict[int, _ItemWork] = {}  # claimed items without an outcome yet, by id
         self._attempt_seq = 0
         self._bucket_db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-bucket")
@@ -370,6 +371,8 @@ class JobRunner:
                             )
                         )
                     except LockLostError as lost:
+                        self._lock_lost = True
+                        log.error("%s", lost.message, extra={"job": self.job.id})
                         self.request_stop(LockLostError.stop_reason, lost.message)
                         break
                     if not claimed:
@@ -394,14 +397,16 @@ class JobRunner:
                 active.add(task)
                 task.add_done_callback(task_done)
         finally:
-            # Unstarted items go back at once; in-flight ones get the grace period.
+            # Unstarted items go back at once; in-flight ones get the grace period (none when
+            # another run has the job: it has these items and will answer them).
             if queue:
                 for work in queue:
                     self._working.pop(work.item.id, None)
                     self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.item.attempts))
                 queue.clear()
             if active:
-                done, pending = await asyncio.wait(active, timeout=self.spec.run.grace_seconds)
+                grace = 0.0 if self._lock_lost else self.spec.run.grace_seconds
+                done, pending = await asyncio.wait(active, timeout=grace)
                 for task in pending:
                     task.cancel()
                 if pending:
@@ -866,7 +871,8 @@ class JobRunner:
                 await self._ledger(self.ledger.record, self.run_id, outcomes, attempts)
             if held:
                 self.controller.release(held)
-            if self._confirmation is not None or time.monotonic() - last_beat >= self._heartbeat_interval:
+            beat_due = self._confirmation is not None or time.monotonic() - last_beat >= self._heartbeat_interval
+            if beat_due and not self._lock_lost:  # a lost lock is not asked for again
                 last_beat = time.monotonic()
                 await self._heartbeat()
             if self._writer_done and not self._outcomes and not self._attempts:
@@ -923,6 +929,7 @@ class JobRunner:
                 )
             )
         except LockLostError as lost:
+            self._lock_lost = True
             log.error("%s", lost.message, extra={"job": self.job.id})
             self.request_stop(LockLostError.stop_reason, lost.message)  # wakes the waiters: they stop
             return
