@@ -22,20 +22,10 @@ import pytest
 from batchrun.testing import FakeOpenAIServer
 
 from .conftest import run_cli, start_cli
+from .test_cli import SPEC
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/PID/status (Linux)")
 
-SPEC = """
-name = "signals"
-[provider]
-base_url = "{base_url}"
-model = "m"
-[request]
-template = "Say {{text}}"
-max_tokens = 50
-[run]
-concurrency = 4
-"""
 BIG = 60_000  # items whose export takes about a second here: long enough to be signalled midway
 
 
