@@ -154,8 +154,8 @@ class SeenIds:
     private temporary SQLite file (pages spill to disk; SQLite deletes it on close), so checking
     a file of any size holds at most a few MB of them."""
 
-    def __init__(self, in_memory: int = SEEN_IN_MEMORY) -> None:
-        self.in_memory = in_memory
+    def __init__(self, in_memory: int | None = None) -> None:
+        self.in_memory = in_memory if in_memory is not None else SEEN_IN_MEMORY
         self._ids: set[str] = set()
         self._db: sqlite3.Connection | None = None
 

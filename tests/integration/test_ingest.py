@@ -221,3 +221,32 @@ def test_overlapping_submits_ingest_once(db_url: str, write_jsonl: Callable[...,
         assert len(jobs) == 1
         assert sum(jobs[0][1].values()) == 30_000
     assert 1 in results
+
+
+def test_strict_checks_hold_custom_ids_in_bounded_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 14, case 10: --strict and --dry-run read every custom_id to find repeats; past
+    SEEN_IN_MEMORY of them they go to a temporary file, so memory stays flat on any input
+    (100,000 ids held in a set took ~12 MB here), and a repeat after the move is still found."""
+    import tracemalloc
+
+    from batchrun import ingest
+
+    monkeypatch.setattr(ingest, "SEEN_IN_MEMORY", 10_000)
+    n = 100_000
+    path = tmp_path / "big.jsonl"
+    with open(path, "wb") as f:
+        for i in range(n):
+            f.write(orjson.dumps(batch_line(f"record-{i:08d}")) + b"\n")
+        f.write(orjson.dumps(batch_line("record-00000007")) + b"\n")  # a repeat long after the move
+    builder = RequestBuilder(BATCH_SPEC, provider_for(BATCH_SPEC, read_key=False))
+    tracemalloc.start()
+    try:
+        checked = ingest.check_input(path, builder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (checked.accepted, checked.rejected) == (n, 1)
+    assert checked.rejections == [(n + 1, "custom_id 'record-00000007' appears twice")]
+    assert peak < 5_000_000, f"{peak / 1e6:.1f} MB"
