@@ -19,6 +19,7 @@ import orjson
 
 from batchrun.errors import InputError, StoppedError
 from batchrun.ledger import ItemState, Ledger
+from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out_sync
 from batchrun.providers import Provider
 from batchrun.spec import JobSpec, Template, TemplateFieldError
 
@@ -232,7 +233,8 @@ def ingest(
     Each batch is one transaction, its duplicate-id rejections included, so the
     stored lines are always a prefix of the file. With ``run_id`` (the ingest's
     job lock) every batch renews the lock and is refused once another run has
-    taken the job over (LockLostError); a batch is also written after
+    taken the job over (LockLostError); on PostgreSQL a batch cut by a lost
+    connection is written again; a batch is also written after
     ``lock_stale_seconds / 4`` however few lines it has, so a slow read never lets
     the lock look stale. ``should_stop`` is asked before the first line and between
     batches: a signal stops the ingest at a clean point (StoppedError), never in
@@ -241,6 +243,7 @@ def ingest(
     stats = IngestStats()
     max_bytes = builder.spec.run.max_line_bytes
     renew_every = builder.spec.run.lock_stale_seconds / 4
+    retry_for = 0.0 if ledger.is_sqlite else LEDGER_RETRY_SECONDS
     start_after = ledger.last_ingested_line(job_id)
     batch: list[dict[str, Any]] = []
     written_at = time.monotonic()
@@ -251,7 +254,10 @@ def ingest(
 
     def flush() -> None:
         nonlocal written_at
-        taken = ledger.insert_items(job_id, batch, run_id=run_id)
+        # A batch written again after a lost connection changes nothing more (each line is stored once).
+        taken = ride_out_sync(
+            lambda: ledger.insert_items(job_id, batch, run_id=run_id), for_seconds=retry_for, what="ingest"
+        )
         written_at = time.monotonic()
         stats.accepted -= len(taken)
         stats.rejected += len(taken)

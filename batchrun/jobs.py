@@ -30,6 +30,7 @@ from batchrun.errors import (
 )
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
 from batchrun.ledger import ItemState, JobRecord, Ledger
+from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out_sync
 from batchrun.pricing import Price, price_for
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
@@ -250,7 +251,10 @@ def _ingest_locked(
             code = EXIT_OK
             return None
         stats = ingest(ledger, job_id, path, builder, run_id=run_id, on_batch=on_batch, should_stop=should_stop)
-        ledger.finish_ingest(job_id, run_id=run_id)
+        ride_out_sync(
+            lambda: ledger.finish_ingest(job_id, run_id=run_id),
+            for_seconds=0.0 if ledger.is_sqlite else LEDGER_RETRY_SECONDS, what="ingest",
+        )
         code = EXIT_OK
     finally:
         ledger.end_run(job_id, run_id, code)

@@ -63,7 +63,7 @@ from batchrun.errors import (
     RetryableError,
 )
 from batchrun.ledger import AttemptRecord, ClaimedItem, ItemState, JobRecord, Ledger, Outcome
-from batchrun.ledger.reconnect import ride_out
+from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out
 from batchrun.providers import Provider, Reply, make_client, send
 from batchrun.providers.base import PreparedRequest, RateLimits
 from batchrun.pricing import Price, price_for
@@ -96,7 +96,7 @@ class RunOptions:
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
     lease_seconds: float | None = None  # None: the spec's; how soon a killed run's items come back
-    ledger_retry_seconds: float = 180.0  # PostgreSQL: ride out a database restart this long
+    ledger_retry_seconds: float = LEDGER_RETRY_SECONDS  # PostgreSQL: ride out a database restart this long
 
 
 @dataclass

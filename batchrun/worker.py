@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 from batchrun.errors import EXIT_OK, EXIT_TEMPFAIL, BatchrunError, LedgerWriteError, UsageError
 from batchrun.jobs import effective_spec, exit_code_for
 from batchrun.ledger import Ledger
-from batchrun.ledger.reconnect import ride_out
+from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides
@@ -63,7 +63,7 @@ class WorkerOptions:
     exit_when_idle: bool = False
     max_runtime: float = 0.0  # 0: until stopped
     lease_seconds: float | None = None  # None: each job's spec (120 s by default)
-    ledger_retry_seconds: float = 180.0
+    ledger_retry_seconds: float = LEDGER_RETRY_SECONDS
     job_backoff_seconds: float = 300.0
     transport: str = "aiohttp"
 

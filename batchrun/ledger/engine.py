@@ -18,6 +18,7 @@ from batchrun.errors import LedgerError
 from batchrun.ledger.models import metadata
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+PG_IDLE_IN_TRANSACTION_S = 10.0  # PostgreSQL ends a session idle this long inside a transaction
 WRITE_OPTION = "batchrun_write"  # execution option marking a write transaction
 _UPGRADE_LOCK = threading.Lock()
 _MIGRATION_LOCK_KEY = 0x6261746368  # "batch": the PostgreSQL advisory lock around migrations
@@ -114,7 +115,19 @@ def create_ledger_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "BEGIN")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+    @event.listens_for(engine, "connect")
+    def _on_pg_connect(dbapi_connection: Any, _record: Any) -> None:
+        # A process stalled inside a transaction (SIGSTOP, a suspended laptop, a paused VM)
+        # would hold its row locks, and every other run waiting on them, until it wakes:
+        # PostgreSQL ends such a session instead. batchrun's transactions never sit idle,
+        # and a call whose session was ended is retried whole when its process wakes.
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(f"SET idle_in_transaction_session_timeout = {int(PG_IDLE_IN_TRANSACTION_S * 1000)}")
+        dbapi_connection.commit()
+
+    return engine
 
 
 def current_revision(conn: Connection) -> str | None:

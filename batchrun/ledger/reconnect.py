@@ -15,19 +15,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_delay, wait_exponential, wait_random
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential,
+    wait_random,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+LEDGER_RETRY_SECONDS = 180.0  # how long a PostgreSQL ledger call is retried by default
+
 
 # SQLSTATEs worth retrying: a server going away or not there yet (admin_shutdown, a
-# restart; crash_shutdown; cannot_connect_now, "the database system is starting up"),
+# restart; crash_shutdown; cannot_connect_now, "the database system is starting up"), a
+# session ended for sitting in a transaction (this process was stalled: see engine.py),
 # and a transaction PostgreSQL rolled back to break a deadlock or a serialization conflict.
-_GONE_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+_GONE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "25P03"})
 _ROLLED_BACK_SQLSTATES = frozenset({"40P01", "40001"})
 
 
@@ -61,13 +72,8 @@ def is_transient(exc: BaseException) -> bool:
     )
 
 
-async def ride_out(call: Callable[[], Awaitable[T]], *, for_seconds: float, what: str) -> T:
-    """``await call()``, retried with backoff while the database is unreachable, for at most ``for_seconds``.
-
-    The last error is raised when the time is up (``reraise``); any other error at once.
-    """
-    if for_seconds <= 0:
-        return await call()
+def _policy(for_seconds: float, what: str) -> dict[str, Any]:
+    """Tenacity's arguments for riding out: backoff with jitter, transient errors only, logged."""
     started = time.monotonic()
 
     def note(state: RetryCallState) -> None:
@@ -79,13 +85,31 @@ async def ride_out(call: Callable[[], Awaitable[T]], *, for_seconds: float, what
             what, type(exc).__name__, max(0.0, for_seconds - (time.monotonic() - started)),
         )
 
-    retrying = AsyncRetrying(
-        stop=stop_after_delay(for_seconds),
-        wait=wait_exponential(multiplier=0.1, max=5.0) + wait_random(0, 0.25),
-        retry=retry_if_exception(is_transient),
-        before_sleep=note,
-        reraise=True,
-    )
+    return {
+        "stop": stop_after_delay(for_seconds),
+        "wait": wait_exponential(multiplier=0.1, max=5.0) + wait_random(0, 0.25),
+        "retry": retry_if_exception(is_transient),
+        "before_sleep": note,
+        "reraise": True,
+    }
+
+
+def ride_out_sync(call: Callable[[], T], *, for_seconds: float, what: str) -> T:
+    """:func:`ride_out` for synchronous callers (ingest): ``call()``, retried the same way."""
+    if for_seconds <= 0:
+        return call()
+    return Retrying(**_policy(for_seconds, what))(call)
+
+
+async def ride_out(call: Callable[[], Awaitable[T]], *, for_seconds: float, what: str) -> T:
+    """``await call()``, retried with backoff while the database is unreachable, for at most ``for_seconds``.
+
+    The last error is raised when the time is up (``reraise``); any other error at once.
+    """
+    if for_seconds <= 0:
+        return await call()
+    started = time.monotonic()
+    retrying = AsyncRetrying(**_policy(for_seconds, what))
     async for attempt in retrying:
         with attempt:
             result = await call()

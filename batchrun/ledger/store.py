@@ -10,7 +10,7 @@ import socket
 from collections import Counter
 import time
 from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import cast as sql_cast
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
@@ -1321,17 +1321,31 @@ class Ledger:
             items_t.c.cached_from,
         ]
         if not self.is_sqlite:
-            # One query through a server-side cursor: rows arrive ``chunk`` at a time.
-            with self.engine.connect() as conn:
-                result = conn.execution_options(stream_results=True, yield_per=chunk).execute(
-                    select(*cols).where(items_t.c.job_id == job_id).order_by(items_t.c.line)
-                )
+            # One query through a server-side cursor: rows arrive ``chunk`` at a time. If the
+            # session ends meanwhile (this process stalled mid-export past PostgreSQL's
+            # idle-in-transaction timeout, or the server restarted), a new cursor carries on
+            # after the last line read.
+            last, lost = -1, 0
+            while True:
                 try:
-                    for r in result:
-                        yield ItemRow(*r)
-                finally:
-                    result.close()  # also when the caller stops early: the server-side cursor goes now
-            return
+                    with self.engine.connect() as conn:
+                        result = conn.execution_options(stream_results=True, yield_per=chunk).execute(
+                            select(*cols).where(items_t.c.job_id == job_id, items_t.c.line > last)
+                            .order_by(items_t.c.line)
+                        )
+                        try:
+                            for r in result:
+                                row = ItemRow(*r)
+                                last = row.line
+                                yield row
+                        finally:
+                            with suppress(DBAPIError):
+                                result.close()  # also when the caller stops early: the cursor goes now
+                    return
+                except DBAPIError as exc:
+                    lost += 1
+                    if not exc.connection_invalidated or lost > 3:
+                        raise
         # SQLite: keyset pages, so no read transaction stays open (and holds back the WAL) for the export.
         last = -1
         while True:

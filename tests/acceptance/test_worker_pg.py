@@ -22,6 +22,8 @@ import orjson
 import pytest
 from sqlalchemy import create_engine, text
 
+from batchrun.ledger.engine import PG_IDLE_IN_TRANSACTION_S
+
 from .conftest import batchrun_cmd, cli_env, run_cli, start_cli
 from .test_kill_resume import check_output, write_batch_input
 
@@ -173,6 +175,39 @@ def test_four_workers_one_killed_every_item_once(tmp_path: Path, pg_url: str, fa
     assert held > 0 and "whose lease expired" in stderr
     assert sum(1 for r in requests if float(r["received_at"]) > killed_at) > 0  # type: ignore[arg-type]
     print(f"\n{n} items, 4 workers, one SIGKILLed holding {held}: {len(requests)} requests, {resent} keys re-sent")
+
+
+def test_a_frozen_worker_sends_nothing_it_lost(tmp_path: Path, pg_url: str, fake_server: LoggedServer) -> None:
+    """Issue 14, cases 2 and 6: a worker frozen (SIGSTOP) past its lease, its items swept back and
+    worked by another, then woken: its heartbeat tells it which items it lost and it sends none of
+    them again; an answer it had in flight lands only if the item has none yet. Re-sent records
+    stay within its concurrency, every item is answered once in the ledger."""
+    n = 4000
+    job = submit(tmp_path, pg_url, fake_server, n)
+    workers = start_workers(tmp_path, pg_url, job, 2)
+    try:
+        wait_for(pg_url, n // 4, workers)
+        workers[0].send_signal(signal.SIGSTOP)
+        # Past its lease the other worker sweeps its items back; if it froze inside a transaction,
+        # PostgreSQL first ends that session (PG_IDLE_IN_TRANSACTION_S) so the sweep is not held up.
+        deadline = time.monotonic() + float(LEASE.removesuffix("s")) + PG_IDLE_IN_TRANSACTION_S + 5
+        while held_by(pg_url, workers[0].pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        held_while_frozen = held_by(pg_url, workers[0].pid)
+        workers[0].send_signal(signal.SIGCONT)
+        stderr = finish(workers)
+    finally:
+        for p in workers:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.communicate()
+    assert held_while_frozen == 0, "the other worker's sweep took the frozen worker's items back"
+    assert "whose lease expired" in stderr
+    assert pg_counts(pg_url) == Counter({"succeeded": n})
+    export(tmp_path, pg_url, job, n)
+    requests = fake_server.stop()
+    assert resent_keys(requests) <= CONCURRENCY, resent_keys(requests)
 
 
 def test_job_wide_rpm_is_held_across_workers(tmp_path: Path, pg_url: str, fake_server: LoggedServer) -> None:

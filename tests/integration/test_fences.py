@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.exc import OperationalError
 
 from batchrun.errors import JobLockedError, LockLostError
@@ -254,5 +254,33 @@ def test_deadlocks_are_retried(pg_url: str) -> None:
             t.join(timeout=30)
         assert len(errors) == 1, errors
         assert is_transient(errors[0])
+    finally:
+        ledger.close()
+
+
+@pytest.mark.postgres
+def test_a_stalled_session_is_ended_and_an_export_carries_on(pg_url: str) -> None:
+    """A process stalled inside a transaction would hold its rows (and everyone waiting on them) until
+    it wakes: the ledger's PostgreSQL sessions end after PG_IDLE_IN_TRANSACTION_S idle in one. The
+    export's server-side cursor is the one read that spans many round trips: when its session is
+    ended mid-way, it carries on after the last line read, every line once."""
+    from batchrun.ledger.engine import PG_IDLE_IN_TRANSACTION_S
+
+    ledger = Ledger.open(pg_url)
+    try:
+        with ledger.engine.connect() as conn:
+            setting = conn.execute(text("show idle_in_transaction_session_timeout")).scalar()
+        assert setting == f"{int(PG_IDLE_IN_TRANSACTION_S)}s"
+        job_id = make_job(ledger, 250)
+        ledger.engine.dispose()
+        sessions: list[int] = []
+        event.listen(ledger.engine, "connect", lambda dbapi, _: sessions.append(dbapi.info.backend_pid))
+        rows = ledger.iter_items(job_id, chunk=100)
+        first = [next(rows) for _ in range(30)]
+        assert len(sessions) == 1
+        with ledger.engine.connect() as conn:  # what the timeout does to a stalled exporter's session
+            conn.execute(text("select pg_terminate_backend(:pid)"), {"pid": sessions[0]})
+        lines = [r.line for r in first] + [r.line for r in rows]
+        assert lines == list(range(1, 251))
     finally:
         ledger.close()
