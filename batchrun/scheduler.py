@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections import Counter, deque
@@ -209,6 +210,7 @@ class JobRunner:
         self._lock_lost = False
         self._working: dict[int, _ItemWork] = {}  # claimed items without an outcome yet, by id
         self._attempt_seq = 0
+        self._claims = 0
         self._bucket_db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-bucket")
         self.request_budget = self._budget("requests", spec.run.rpm)
         self.request_window = RequestWindow(spec.run.rpm) if spec.run.rpm > 0 else None
@@ -288,10 +290,11 @@ class JobRunner:
         """Work the job; returns how the run ended. Raises JobLockedError if another run holds it."""
         try:
             vouched = self._clocks()
+            run_id = os.urandom(8).hex()  # chosen here, so a replayed start finds its own run
             self.run_id = await self._ledger(
                 lambda: self.ledger.start_run(
                     self.job.id, self.options.command, exclusive=self.options.exclusive,
-                    stale_after=self.spec.run.lock_stale_seconds,
+                    stale_after=self.spec.run.lock_stale_seconds, run_id=run_id,
                 )
             )
             self._vouch(vouched)
@@ -364,10 +367,13 @@ class JobRunner:
         try:
             while not self.stopping and not writer.done():
                 if not queue:
+                    self._claims += 1
+                    token = self._claims  # the same for a replay of this claim (see Ledger.claim)
                     try:
                         claimed = await self._ledger(
                             lambda: self.ledger.claim(
-                                self.job.id, self.run_id, batch, self.lease_seconds, exclusive=self.options.exclusive
+                                self.job.id, self.run_id, batch, self.lease_seconds,
+                                exclusive=self.options.exclusive, token=token,
                             )
                         )
                     except LockLostError as lost:
@@ -381,10 +387,8 @@ class JobRunner:
                         await self._wait_for_wake()
                         continue
                     to_send, hits = await self._ledger(self._look_up, claimed)
-                    for work in to_send:
-                        self._working[work.item.id] = work
-                    for work, _ in hits:
-                        self._working[work.item.id] = work
+                    for work in [*to_send, *(work for work, _ in hits)]:
+                        self._hold(work)
                     queue.extend(to_send)
                     queue.extend(work for work, answer in hits if not self._finish_cached(work, answer))
                     continue
@@ -401,8 +405,10 @@ class JobRunner:
             # another run has the job: it has these items and will answer them).
             if queue:
                 for work in queue:
-                    self._working.pop(work.item.id, None)
-                    self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.item.attempts))
+                    self._settle(work)
+                    self._outcomes.append(
+                        Outcome(work.item.id, ItemState.PENDING, work.item.attempts, claim=work.item.claim)
+                    )
                 queue.clear()
             if active:
                 grace = 0.0 if self._lock_lost else self.spec.run.grace_seconds
@@ -741,8 +747,8 @@ class JobRunner:
     # -- outcomes -----------------------------------------------------------
 
     def _put_back(self, work: _ItemWork) -> None:
-        self._working.pop(work.item.id, None)
-        self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.counted))
+        self._settle(work)
+        self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.counted, claim=work.item.claim))
         self.stats.done["released"] += 1
         self._maybe_flush()
 
@@ -756,9 +762,10 @@ class JobRunner:
         invalid: OutputInvalidError | None = None,
         parsed: Any = _NO_VALUE,
     ) -> None:
-        self._working.pop(work.item.id, None)
+        self._settle(work)
         outcome = Outcome(
-            item_id=work.item.id, state=state, attempts=work.counted, finished_at=time.time(), request_hash=work.key
+            item_id=work.item.id, state=state, attempts=work.counted, finished_at=time.time(), request_hash=work.key,
+            claim=work.item.claim,
         )
         if reply is not None:
             outcome.status_code = reply.status_code
@@ -801,10 +808,11 @@ class JobRunner:
                 return False
         elif answer.output is None and not self._is_answer(answer):
             return False
-        self._working.pop(work.item.id, None)
+        self._settle(work)
         self._outcomes.append(
             Outcome(
                 item_id=work.item.id,
+                claim=work.item.claim,
                 state=ItemState.SUCCEEDED,
                 attempts=work.counted,
                 status_code=answer.status_code,
@@ -844,7 +852,7 @@ class JobRunner:
         self._outcomes.append(
             Outcome(
                 item_id=work.item.id, state=ItemState.RUNNING, attempts=work.counted,
-                followups=orjson.dumps(work.followups).decode(),
+                followups=orjson.dumps(work.followups).decode(), claim=work.item.claim,
             )
         )
         self._held_slots += 1
@@ -880,6 +888,19 @@ class JobRunner:
                 return
 
     # -- the lock and the leases ----------------------------------------------
+
+    def _hold(self, work: _ItemWork) -> None:
+        """Track a claimed item until its outcome is queued. One this run held before under an
+        earlier claim (swept from it while it stalled, then claimed again) is that claim's no more."""
+        earlier = self._working.get(work.item.id)
+        if earlier is not None:
+            earlier.lost = True
+        self._working[work.item.id] = work
+
+    def _settle(self, work: _ItemWork) -> None:
+        """The item's outcome is queued: stop tracking it (unless a later claim of it is tracked)."""
+        if self._working.get(work.item.id) is work:
+            del self._working[work.item.id]
 
     @staticmethod
     def _clocks() -> tuple[float, float]:
@@ -937,9 +958,12 @@ class JobRunner:
             self._confirmed()
             raise
         self._vouch(started)
-        for item_id, work in self._working.items():
-            if item_id not in held and not work.lost:
-                work.lost = True
-                log.warning("item %s was taken from this run (its lease lapsed); not sending it again",
-                            work.item.custom_id, extra={"job": self.job.id})
+        taken = [w for item_id, w in self._working.items() if held.get(item_id) != w.item.claim and not w.lost]
+        for work in taken:
+            work.lost = True
+        if taken:
+            log.warning(
+                "%d items were taken from this run (their lease lapsed while it was stalled), e.g. %s; "
+                "not sending them again", len(taken), taken[0].item.custom_id, extra={"job": self.job.id},
+            )
         self._confirmed()

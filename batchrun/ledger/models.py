@@ -77,6 +77,7 @@ items = Table(
     Column("state", String(16), nullable=False),
     Column("lease_owner", String(32)),
     Column("lease_expires", Float),
+    Column("lease_claim", Integer),  # which claim of the owner run leased it (its outcomes carry it)
     Column("attempts", Integer, default=0, nullable=False),
     Column("status_code", Integer),
     Column("response", Text),

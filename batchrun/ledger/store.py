@@ -29,6 +29,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    or_,
     literal_column,
     select,
     update,
@@ -86,6 +87,7 @@ class ClaimedItem:
     attempts: int
     max_tokens: int | None = None
     followups: str | None = None  # JSON [[invalid answer, feedback], ...]: re-asks a killed run committed
+    claim: int = 0  # the run's number for the claim that leased it; its outcomes carry it
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Outcome:
     request_hash: str | None = None  # the response cache's key of the item's first request
     cached_from: int | None = None  # the item whose answer was reused (no request was sent)
     followups: str | None = None  # state RUNNING: the re-asks so far (JSON), kept for a resume
+    claim: int = 0  # the claim of the item it answers: it lands only on that claim (see ClaimedItem)
 
 
 @dataclass
@@ -231,6 +234,8 @@ _FINAL_COLUMNS = (
 )
 _BACK_COLUMNS = ("status_code", "error_class", "error_message")
 _NOT_FINAL = (ItemState.PENDING, ItemState.RUNNING)  # outcomes that leave the item unanswered
+# States in which an item has no answer: a success may land there, whoever holds the item.
+_UNANSWERED = (ItemState.PENDING, ItemState.RUNNING, ItemState.FAILED, ItemState.INVALID_OUTPUT)
 _ATTEMPT_COLUMNS = tuple(f.name for f in dataclasses.fields(AttemptRecord) if f.name != "counted")
 # The writer's hot path on SQLite goes straight to the driver's executemany (as ingest does):
 # SQLAlchemy's per-row parameter processing cost about as much as the writes themselves.
@@ -238,18 +243,23 @@ _SQLITE_INSERT_ATTEMPTS = (
     f"INSERT INTO attempts ({', '.join(_ATTEMPT_COLUMNS)}) VALUES ({', '.join('?' * len(_ATTEMPT_COLUMNS))})"
 )
 _SQLITE_CHARGE_ATTEMPTS = "UPDATE items SET attempts = attempts + ? WHERE id = ?"
-_SQLITE_HELD = "WHERE id = ? AND lease_owner = ? AND state = 'running'"
+_SQLITE_HELD = "WHERE id = ? AND lease_owner = ? AND lease_claim = ? AND state = 'running'"
 # A success lands on an item that has no answer yet, whoever holds it (the first committed answer wins).
-_SQLITE_UNANSWERED = "WHERE id = ? AND state IN ('pending', 'running')"
+_SQLITE_UNANSWERED = "WHERE id = ? AND state IN ('pending', 'running', 'failed', 'invalid_output')"
 _SQLITE_SET_FINAL = (
-    f"UPDATE items SET {', '.join(f'{c} = ?' for c in _FINAL_COLUMNS)}, lease_owner = NULL, lease_expires = NULL "
+    f"UPDATE items SET {', '.join(f'{c} = ?' for c in _FINAL_COLUMNS)}, lease_owner = NULL, lease_expires = NULL, "
+    "lease_claim = NULL "
 )
 _SQLITE_FINISH = _SQLITE_SET_FINAL + _SQLITE_HELD
 _SQLITE_LAND = _SQLITE_SET_FINAL + _SQLITE_UNANSWERED
 _SQLITE_PUT_BACK = (
     f"UPDATE items SET {', '.join(f'{c} = ?' for c in _BACK_COLUMNS)}, state = 'pending', lease_owner = NULL, "
-    "lease_expires = NULL " + _SQLITE_HELD
+    "lease_expires = NULL, lease_claim = NULL " + _SQLITE_HELD
 )
+_CLAIMED_COLUMNS = (
+    items_t.c.id, items_t.c.custom_id, items_t.c.url, items_t.c.body, items_t.c.attempts, items_t.c.max_tokens,
+    items_t.c.followups, items_t.c.lease_claim,
+)  # in ClaimedItem's order
 _SQLITE_PROGRESS = "UPDATE items SET followups = ? " + _SQLITE_HELD
 
 
@@ -574,19 +584,23 @@ class Ledger:
             "staleness; this run stopped sending and wrote nothing more"
         )
 
-    def start_run(self, job_id: int, command: str, *, exclusive: bool, stale_after: float = 60.0) -> str:
-        """Register a run; with ``exclusive``, take the job lock or raise JobLockedError.
+    def start_run(
+        self, job_id: int, command: str, *, exclusive: bool, stale_after: float = 60.0, run_id: str | None = None
+    ) -> str:
+        """Register a run (``run_id``, else a new id); with ``exclusive``, take the job lock or raise JobLockedError.
 
         A lock is taken over when its holder is a dead process on this host, or its
-        heartbeat is older than ``stale_after`` seconds (the database's clock).
+        heartbeat is older than ``stale_after`` seconds (the database's clock). A call
+        replayed after a lost acknowledgement (the same ``run_id``) finds the lock its
+        own and the run registered, and carries on.
         """
-        run_id = os.urandom(8).hex()
+        run_id = run_id or os.urandom(8).hex()
         pid, host = os.getpid(), socket.gethostname()
         with self._write() as conn:
             now = self._now(conn)
             if exclusive:
                 holder = self._holder(conn, job_id, lock=True)
-                if holder is not None:
+                if holder is not None and holder.run_id != run_id:
                     dead = holder.host == host and not _pid_alive(holder.pid)
                     stale = now - holder.heartbeat > stale_after
                     if not (dead or stale):
@@ -601,18 +615,21 @@ class Ledger:
                     .values(lock_run_id=run_id, lock_pid=pid, lock_host=host, lock_since=now, lock_heartbeat=now)
                 )
             conn.execute(
-                insert(runs_t).values(
-                    id=run_id, job_id=job_id, command=command, pid=pid, host=host, started_at=now, heartbeat_at=now
-                )
+                (_sqlite_insert if self.is_sqlite else postgresql.insert)(runs_t)
+                .values(id=run_id, job_id=job_id, command=command, pid=pid, host=host, started_at=now, heartbeat_at=now)
+                .on_conflict_do_nothing(index_elements=[runs_t.c.id])
             )
         return run_id
 
-    def heartbeat(self, job_id: int, run_id: str, lease_seconds: float, *, exclusive: bool = False) -> set[int]:
-        """Show the run is alive and extend the leases of the items it holds; return their ids.
+    def heartbeat(
+        self, job_id: int, run_id: str, lease_seconds: float, *, exclusive: bool = False
+    ) -> dict[int, int]:
+        """Show the run is alive and extend the leases of the items it holds; return them (id: claim).
 
         With ``exclusive``, the job lock must still be this run's: LockLostError
-        otherwise, and nothing is extended. An item the run believes it holds but
-        that is not returned was taken from it (its lease expired and was swept).
+        otherwise, and nothing is extended. An item the run believes it holds under
+        a claim that is not returned was taken from it (its lease lapsed and it was
+        swept; the run may have claimed it again since, under another claim).
         """
         now = self._db_now()
         with self._write() as conn:
@@ -623,9 +640,9 @@ class Ledger:
                 update(items_t)
                 .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.RUNNING, items_t.c.lease_owner == run_id)
                 .values(lease_expires=now + lease_seconds)
-                .returning(items_t.c.id)
-            ).scalars()
-            return set(held)
+                .returning(items_t.c.id, items_t.c.lease_claim)
+            ).all()
+            return {int(item_id): int(claim or 0) for item_id, claim in held}
 
     def end_run(self, job_id: int, run_id: str, exit_code: int) -> None:
         with self._write() as conn:
@@ -643,15 +660,17 @@ class Ledger:
     def requeue_orphans(self, job_id: int, run_id: str) -> int:
         """Put back to pending every running item not leased to ``run_id`` nor to a live worker.
 
-        Only safe while holding the job lock: any other exclusive holder is then
-        gone (or stalled past the lock's staleness: fenced, it sends no more).
-        ``batchrun worker`` runs take no lock; their items stay theirs until the
-        worker ends or their lease expires (the database's clock).
+        Only while ``run_id`` holds the job lock (checked in the same transaction:
+        LockLostError otherwise): any other exclusive holder is then gone, or stalled
+        past the lock's staleness and fenced. ``batchrun worker`` runs take no lock;
+        their items stay theirs until the worker ends or their lease expires (the
+        database's clock).
         """
         live_workers = select(runs_t.c.id).where(
             runs_t.c.job_id == job_id, runs_t.c.command == "worker", runs_t.c.ended_at.is_(None)
         )
         with self._write() as conn:
+            self._renew_lock(conn, job_id, run_id)
             result = conn.execute(
                 update(items_t)
                 .where(
@@ -663,7 +682,7 @@ class Ledger:
                         & (items_t.c.lease_owner.not_in(live_workers) | (items_t.c.lease_expires < self._db_now()))
                     ),
                 )
-                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
+                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None, lease_claim=None)
             )
             return int(result.rowcount)
 
@@ -686,7 +705,7 @@ class Ledger:
                     items_t.c.state == ItemState.RUNNING,
                     items_t.c.lease_expires < self._db_now(),
                 )
-                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
+                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None, lease_claim=None)
             )
             return int(result.rowcount)
 
@@ -749,11 +768,13 @@ class Ledger:
         return max(0.0, -float(row.level) / float(row.rate))
 
     def claim(
-        self, job_id: int, run_id: str, limit: int, lease_seconds: float, *, exclusive: bool = False
+        self, job_id: int, run_id: str, limit: int, lease_seconds: float, *, exclusive: bool = False, token: int = 0
     ) -> list[ClaimedItem]:
-        """Lease up to ``limit`` pending items to ``run_id``, in input order.
+        """Lease up to ``limit`` pending items to ``run_id`` under its claim number ``token``, in input order.
 
         With ``exclusive``, only while the job lock is this run's (LockLostError otherwise).
+        A claim replayed after a lost acknowledgement (the same ``token``) returns the
+        items the first one leased instead of leasing more.
         """
         pick = (
             select(items_t.c.id)
@@ -766,16 +787,25 @@ class Ledger:
         stmt = (
             update(items_t)
             .where(items_t.c.id.in_(pick.scalar_subquery()))
-            .values(state=ItemState.RUNNING, lease_owner=run_id, lease_expires=self._db_now() + lease_seconds)
-            .returning(
-                items_t.c.id, items_t.c.custom_id, items_t.c.url, items_t.c.body, items_t.c.attempts,
-                items_t.c.max_tokens, items_t.c.followups,
+            .values(
+                state=ItemState.RUNNING, lease_owner=run_id, lease_claim=token,
+                lease_expires=self._db_now() + lease_seconds,
             )
+            .returning(*_CLAIMED_COLUMNS)
         )
         with self._write() as conn:
             if exclusive:
                 self._renew_lock(conn, job_id, run_id)
-            rows = conn.execute(stmt).all()
+            rows = []
+            if token:
+                rows = conn.execute(
+                    select(*_CLAIMED_COLUMNS).where(
+                        items_t.c.job_id == job_id, items_t.c.state == ItemState.RUNNING,
+                        items_t.c.lease_owner == run_id, items_t.c.lease_claim == token,
+                    )
+                ).all()
+            if not rows:
+                rows = conn.execute(stmt).all()
         return sorted((ClaimedItem(*r) for r in rows), key=lambda c: c.id)
 
     def record(self, run_id: str, outcomes: Sequence[Outcome], attempts: Sequence[AttemptRecord]) -> None:
@@ -813,16 +843,23 @@ class Ledger:
                         .values(attempts=items_t.c.attempts + bindparam("b_n")),
                         [{"b_id": item_id, "b_n": n} for item_id, n in charged.items()],
                     )
-            held = (items_t.c.lease_owner == run_id) & (items_t.c.state == ItemState.RUNNING)
+            held = (
+                (items_t.c.lease_owner == run_id)
+                & (items_t.c.lease_claim == bindparam("b_claim"))
+                & (items_t.c.state == ItemState.RUNNING)
+            )
             # (no IN list: an expanding parameter cannot go through executemany)
-            unanswered = (items_t.c.state == ItemState.PENDING) | (items_t.c.state == ItemState.RUNNING)
-            cleared = {"lease_owner": None, "lease_expires": None}
+            unanswered = or_(*(items_t.c.state == state for state in _UNANSWERED))
+            cleared = {"lease_owner": None, "lease_expires": None, "lease_claim": None}
+            # Re-ask progress before put-backs: an item can have both in one batch (a stop
+            # came right after its re-ask was noted), and the put-back ends the claim.
             for columns, guard, fixed, batch in (
                 (_FINAL_COLUMNS, unanswered, cleared, [o for o in outcomes if o.state == ItemState.SUCCEEDED]),
-                (_FINAL_COLUMNS, held, cleared, [o for o in outcomes if o.state not in _NOT_FINAL]),
+                (_FINAL_COLUMNS, held, cleared,
+                 [o for o in outcomes if o.state not in _NOT_FINAL and o.state != ItemState.SUCCEEDED]),
+                (("followups",), held, {}, [o for o in outcomes if o.state == ItemState.RUNNING]),
                 (_BACK_COLUMNS, held, {"state": ItemState.PENDING, **cleared},
                  [o for o in outcomes if o.state == ItemState.PENDING]),
-                (("followups",), held, {}, [o for o in outcomes if o.state == ItemState.RUNNING]),
             ):
                 if batch:
                     values: dict[str, Any] = {c: bindparam(f"b_{c}") for c in columns}
@@ -841,22 +878,27 @@ class Ledger:
                 charged = Counter(a.item_id for a in attempts if a.counted)
                 if charged:
                     conn.exec_driver_sql(_SQLITE_CHARGE_ATTEMPTS, [(n, item_id) for item_id, n in charged.items()])
-            for statement, batch, holder in (
-                (_SQLITE_LAND, [o for o in outcomes if o.state == ItemState.SUCCEEDED], ()),
-                (_SQLITE_FINISH, [o for o in outcomes if o.state not in _NOT_FINAL], (run_id,)),
-            ):
-                if batch:
-                    conn.exec_driver_sql(
-                        statement, [(*(getattr(o, c) for c in _FINAL_COLUMNS), o.item_id, *holder) for o in batch]
-                    )
+            landed = [o for o in outcomes if o.state == ItemState.SUCCEEDED]
+            if landed:
+                conn.exec_driver_sql(
+                    _SQLITE_LAND, [(*(getattr(o, c) for c in _FINAL_COLUMNS), o.item_id) for o in landed]
+                )
+            finished = [o for o in outcomes if o.state not in _NOT_FINAL and o.state != ItemState.SUCCEEDED]
+            if finished:
+                conn.exec_driver_sql(
+                    _SQLITE_FINISH,
+                    [(*(getattr(o, c) for c in _FINAL_COLUMNS), o.item_id, run_id, o.claim) for o in finished],
+                )
+            # Re-ask progress before put-backs (the put-back ends the claim; both can be in one batch).
+            progress = [o for o in outcomes if o.state == ItemState.RUNNING]
+            if progress:
+                conn.exec_driver_sql(_SQLITE_PROGRESS, [(o.followups, o.item_id, run_id, o.claim) for o in progress])
             back = [o for o in outcomes if o.state == ItemState.PENDING]
             if back:
                 conn.exec_driver_sql(
-                    _SQLITE_PUT_BACK, [(*(getattr(o, c) for c in _BACK_COLUMNS), o.item_id, run_id) for o in back]
+                    _SQLITE_PUT_BACK,
+                    [(*(getattr(o, c) for c in _BACK_COLUMNS), o.item_id, run_id, o.claim) for o in back],
                 )
-            progress = [o for o in outcomes if o.state == ItemState.RUNNING]
-            if progress:
-                conn.exec_driver_sql(_SQLITE_PROGRESS, [(o.followups, o.item_id, run_id) for o in progress])
 
     def find_cached(self, keys: Collection[str]) -> dict[str, CachedAnswer]:
         """The newest succeeded answer in any job for each of these request keys (one query).
@@ -899,7 +941,7 @@ class Ledger:
                     items_t.c.lease_owner == run_id,
                     items_t.c.state == ItemState.RUNNING,
                 )
-                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
+                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None, lease_claim=None)
             )
 
     def release_held(self, job_id: int, run_id: str) -> int:
@@ -908,7 +950,7 @@ class Ledger:
             result = conn.execute(
                 update(items_t)
                 .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.RUNNING, items_t.c.lease_owner == run_id)
-                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None)
+                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None, lease_claim=None)
             )
             return int(result.rowcount)
 
@@ -974,7 +1016,7 @@ class Ledger:
             result = conn.execute(
                 update(items_t)
                 .where(items_t.c.job_id == job_id, items_t.c.state.in_([ItemState.PENDING, ItemState.RUNNING]))
-                .values(state=ItemState.CANCELLED, lease_owner=None, lease_expires=None, finished_at=time.time())
+                .values(state=ItemState.CANCELLED, lease_owner=None, lease_expires=None, lease_claim=None, finished_at=time.time())
             )
             return int(result.rowcount)
 

@@ -157,12 +157,13 @@ class OpenAIProvider:
         refusal_value = answer.get("refusal")
         refusal = refusal_value if isinstance(refusal_value, str) else None
         finish_reason = first.get("finish_reason")
-        if finish_reason == "content_filter" and not (output or refusal or answer.get("tool_calls")):
-            raise content_filtered(status_code, text, filtered_categories(first.get("content_filter_results")))
-        if output is None and finish_reason in (None, "stop") and not (
-            refusal or any(answer.get(k) for k in ("tool_calls", "function_call", "audio"))
-        ):
-            raise no_answer(status_code, text, "message.content is null and the message holds nothing else")
+        if not output and not (refusal or any(answer.get(k) for k in ("tool_calls", "function_call", "audio"))):
+            if finish_reason == "content_filter":
+                raise content_filtered(status_code, text, filtered_categories(first.get("content_filter_results")))
+            if finish_reason == "length":
+                raise cut_before_any_text(status_code, text)
+            if output is None:
+                raise no_answer(status_code, text, "message.content is null and the message holds nothing else")
         usage_value = data.get("usage")
         usage: dict[str, Any] = usage_value if isinstance(usage_value, dict) else {}
         details = usage.get("prompt_tokens_details")
@@ -314,6 +315,18 @@ def content_filtered(status_code: int, text: str, detail: str | None) -> Permane
         f"HTTP {status_code}: the provider's content filter withheld the answer{reason}",
         status_code=status_code,
         error_class="content_filter",
+        body=text,
+    )
+
+
+def cut_before_any_text(status_code: int, text: str) -> PermanentError:
+    """The answer's token limit was spent before any text (a reasoning model's thinking, say):
+    the same limit would be spent the same way, so it is permanent (``truncated``)."""
+    return PermanentError(
+        f"HTTP {status_code}: the answer reached its token limit before any text; give it more "
+        "(batchrun retry JOB --where error_class=truncated --max-tokens N)",
+        status_code=status_code,
+        error_class="truncated",
         body=text,
     )
 

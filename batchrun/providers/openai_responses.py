@@ -32,6 +32,7 @@ from batchrun.providers.openai import (
     OpenAIProvider,
     content_filtered,
     counted_prompt,
+    cut_before_any_text,
     no_answer,
     openai_error_event,
     openai_rate_limits,
@@ -128,13 +129,20 @@ class OpenAIResponsesProvider(OpenAIProvider):
                     texts.append(part["text"])
                 elif part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
                     refusals.append(part["refusal"])
+        if status in ("queued", "in_progress"):
+            raise no_answer(status_code, text, f"the response is still {status}")
         finish_reason: str | None = "stop"
         if status == "incomplete":
             details = data.get("incomplete_details")
             reason = details.get("reason") if isinstance(details, dict) else None
             finish_reason = _INCOMPLETE_FINISH.get(str(reason), str(reason))
-            if finish_reason == "content_filter" and not (any(texts) or refusals or _calls(items)):
+        if not (any(texts) or refusals or _calls(items)):
+            if finish_reason == "content_filter":
                 raise content_filtered(status_code, text, None)  # withheld before any answer
+            if finish_reason == "length":
+                raise cut_before_any_text(status_code, text)
+            if not texts:  # (an output_text part, even empty, is an answer, as Chat's "" is)
+                raise no_answer(status_code, text, "no message, refusal or tool call in the output")
         usage_value = data.get("usage")
         usage: dict[str, Any] = usage_value if isinstance(usage_value, dict) else {}
         details = usage.get("input_tokens_details")

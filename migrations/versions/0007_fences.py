@@ -10,6 +10,11 @@ the copies are deleted first, keeping the real item, else the first row.
 replayed after a lost acknowledgement (a PostgreSQL connection cut at commit)
 cannot add an attempt, or charge it, twice.
 
+``items.lease_claim`` numbers the claim (within its run) that leased an item, so an
+outcome a run queued for an earlier claim of an item (one swept from it while the run was
+stalled, then claimed again) cannot land on the later one, and a claim replayed after a
+lost acknowledgement returns what the first one leased instead of leasing more.
+
 ``items.followups`` holds a structured item's re-asks so far (JSON: the invalid
 answers and the feedback sent with them), so a run killed during re-asks
 carries on from the last committed re-ask instead of paying for them again.
@@ -40,6 +45,7 @@ def upgrade() -> None:
     op.create_index("uq_items_job_line", "items", ["job_id", "line"], unique=True)
     with op.batch_alter_table("items") as batch:
         batch.add_column(sa.Column("followups", sa.Text(), nullable=True))
+        batch.add_column(sa.Column("lease_claim", sa.Integer(), nullable=True))
     with op.batch_alter_table("attempts") as batch:
         batch.add_column(sa.Column("seq", sa.Integer(), nullable=True))
     op.create_index("uq_attempts_run_seq", "attempts", ["run_id", "seq"], unique=True)
@@ -50,6 +56,7 @@ def downgrade() -> None:
     with op.batch_alter_table("attempts") as batch:
         batch.drop_column("seq")
     with op.batch_alter_table("items") as batch:
+        batch.drop_column("lease_claim")
         batch.drop_column("followups")
     op.drop_index("uq_items_job_line", table_name="items")
     op.create_index("ix_items_job_line", "items", ["job_id", "line"])

@@ -209,9 +209,28 @@ def test_an_overlapping_submit_during_a_frozen_ingest_stores_every_line_once(
     assert counts["succeeded"] == len(ids) and counts["rejected"] == n - len(ids)
 
 
-def test_a_kill_during_re_asks_re_sends_at_most_the_concurrency(tmp_path: Path, db_url: str, engine: Engine) -> None:
+def resent_questions(server: FakeOpenAIServer, event_at: float) -> set[tuple[str, int]]:
+    """Questions paid for before ``event_at`` (answered, or still open then) and asked again after it.
+
+    A question is (record, how many invalid answers it carries): the first ask and each re-ask."""
+    paid: set[tuple[str, int]] = set()
+    asked_after: set[tuple[str, int]] = set()
+    for record, body in zip(server.log, server.bodies, strict=True):
+        question = (record.key or "", sum(m["role"] == "assistant" for m in body["messages"]))
+        if record.received_at < event_at and (record.outcome == "ok" or record.finished_at >= event_at):
+            paid.add(question)
+        elif record.received_at >= event_at:
+            asked_after.add(question)
+    return paid & asked_after
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_stop_during_re_asks_re_sends_at_most_the_concurrency(
+    tmp_path: Path, db_url: str, engine: Engine, how: signal.Signals
+) -> None:
     """Case 7: re-ask state is committed before the re-ask is sent, so a resume carries on from the
-    last committed re-ask instead of paying for the first answer again."""
+    last committed re-ask instead of paying for the first answer again: after a kill at most the
+    requests in flight are asked again; after SIGTERM (in-flight requests finish) none."""
     n = 300
     faults = Faults(latency_s=0.2, latency_jitter_s=0.05, p_schema_violation=1.0, output_faults_on_reask=False, seed=9)
     with FakeOpenAIServer(faults, record_bodies=True) as server:
@@ -220,23 +239,14 @@ def test_a_kill_during_re_asks_re_sends_at_most_the_concurrency(tmp_path: Path, 
         src.write_bytes(b"".join(orjson.dumps({"id": f"r{i}", "n": i}) + b"\n" for i in range(n)))
         first = start_cli(tmp_path, "submit", str(spec), "--input", str(src), "--db", db_url, "--quiet")
         wait_until(lambda: states(engine)["succeeded"] >= 80, what="80 answers")
-        first.send_signal(signal.SIGKILL)
-        killed_at = time.time()
-        first.communicate(timeout=10)
+        first.send_signal(how)
+        stopped_at = time.time()
+        first.communicate(timeout=30)
+        assert first.returncode == (-signal.SIGKILL if how == signal.SIGKILL else 75)
         time.sleep(0.3)  # the server notices the dropped connections
         resumed = run_cli(tmp_path, "resume", "1", "--db", db_url, "--output", str(out), "--quiet")
         assert resumed.returncode == 0, resumed.stderr
         assert len(exported(out)) == n
-
-        # A question is (record, how many invalid answers it carries). Paid before the kill
-        # (answered, or still open when the process died) and asked again after it: re-sent.
-        paid: set[tuple[str, int]] = set()
-        asked_after: set[tuple[str, int]] = set()
-        for record, body in zip(server.log, server.bodies, strict=True):
-            question = (record.key or "", sum(m["role"] == "assistant" for m in body["messages"]))
-            if record.received_at < killed_at and (record.outcome == "ok" or record.finished_at >= killed_at):
-                paid.add(question)
-            elif record.received_at >= killed_at:
-                asked_after.add(question)
-        resent = paid & asked_after
-        assert len(resent) <= CONCURRENCY, f"{len(resent)} paid questions asked again after the kill"
+        resent = resent_questions(server, stopped_at)
+        bound = CONCURRENCY if how == signal.SIGKILL else 0
+        assert len(resent) <= bound, f"{len(resent)} paid questions asked again after {how.name}: {sorted(resent)[:5]}"

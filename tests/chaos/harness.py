@@ -935,6 +935,10 @@ class Round:
         event.applied = True
         self.result.disruptive += 1
         t0 = time.monotonic()
+        # Only a process frozen while it holds the job lock can be taken over (one frozen in its
+        # export, after its run ended, has nothing to lose and finishes when woken).
+        frozen_at = self.snapshot()
+        held_lock = frozen_at is not None and frozen_at.lock_pid == proc.popen.pid
         other: Proc | None = None
         if event.overlap_after is not None:
             time.sleep(event.overlap_after)
@@ -959,7 +963,7 @@ class Round:
             took = f"{proc.name} exit {proc.code} {time.monotonic() - woke:.1f}s after SIGCONT"
             if proc.code == 75:
                 self.result.takeovers += 1
-            if proc.code != 75 and other.alive():
+            if proc.code != 75 and other.alive() and held_lock:
                 self.problem(f"{proc.name} {proc.command}, frozen {woke - t0:.1f}s while {other.name} submit took the job "
                              f"over, exited {proc.code} after SIGCONT (expected 75)")
         elif not other.alive():
@@ -968,7 +972,7 @@ class Round:
             snap = self.snapshot()
             holder = snap.lock_pid if snap else None
             took = f"both {proc.name} and {other.name} still running {window:.0f}s after SIGCONT (lock pid {holder})"
-            if holder == other.popen.pid:
+            if holder == other.popen.pid and held_lock:
                 self.problem(f"{proc.name} {proc.command} frozen {woke - t0:.1f}s, woken while {other.name} holds the "
                              f"job lock: still running {window:.0f}s later (expected exit 75 within a heartbeat)")
         event.outcome = f"{proc.name} frozen {woke - t0:.1f}s, {other.name} submit started at {event.overlap_after:.1f}s; {took}"

@@ -171,3 +171,48 @@ def test_chat_null_content_with_a_tool_call_stays_an_answer() -> None:
     call = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     reply = parse(completion(choice("tool_calls", content=None, tool_calls=call)))
     assert reply.output is None and reply.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_chat_limit_spent_before_any_text_is_a_permanent_truncation(content: str | None) -> None:
+    """A reasoning model can spend max_completion_tokens thinking: "" (or null) with finish_reason
+    "length" is no answer, and asking again with the same limit is paid for and ends the same way."""
+    with pytest.raises(PermanentError) as caught:
+        parse(completion(choice("length", content=content)))
+    assert caught.value.error_class == "truncated" and "--max-tokens" in caught.value.message
+
+
+def responses(status: str, output: list[Any], **extra: Any) -> dict[str, Any]:
+    usage = {"input_tokens": 9, "output_tokens": 0, "total_tokens": 9}
+    return {"id": "resp_1", "object": "response", "status": status, "model": "m", "output": output, "usage": usage,
+            **extra}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        responses("completed", []),
+        responses("completed", [{"type": "reasoning", "id": "rs_1", "summary": []}]),
+        responses("in_progress", []),
+        responses("queued", []),
+    ],
+    ids=["completed-empty", "only-reasoning", "in-progress", "queued"],
+)
+def test_responses_without_message_or_tool_call_is_a_retryable_bad_response(body: dict[str, Any]) -> None:
+    with pytest.raises(RetryableError) as caught:
+        parse(body, "openai-responses")
+    assert caught.value.error_class == "bad_response"
+
+
+def test_responses_limit_spent_on_reasoning_is_a_permanent_truncation() -> None:
+    body = responses("incomplete", [{"type": "reasoning", "id": "rs_1", "summary": []}],
+                     incomplete_details={"reason": "max_output_tokens"})
+    with pytest.raises(PermanentError) as caught:
+        parse(body, "openai-responses")
+    assert caught.value.error_class == "truncated"
+
+
+def test_responses_function_call_stays_an_answer() -> None:
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    reply = parse(responses("completed", [call]), "openai-responses")
+    assert reply.output == "" and reply.finish_reason == "stop"
