@@ -17,9 +17,6 @@ import httpx
 import orjson
 
 from batchrun.errors import (
-    EXIT_AUTH,
-    EXIT_OK,
-    EXIT_SOME_FAILED,
     AuthError,
     OutputInvalidError,
     ProviderError,
@@ -28,6 +25,7 @@ from batchrun.ingest import RequestBuilder, read_request
 from batchrun.providers import make_client, provider_for, send
 from batchrun.redact import redact, redact_optional
 from batchrun.spec import JobSpec
+from batchrun.states import ExitCode
 
 RATE_LIMIT_HEADER_MARKERS = ("ratelimit", "retry-after")
 
@@ -56,7 +54,7 @@ class CheckResult:
     problem: str | None = None  # why the answer is invalid
     error_class: str | None = None
     error: str | None = None
-    exit_code: int = EXIT_OK
+    exit_code: int = ExitCode.OK
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,7 +89,7 @@ async def check_spec(
         result.error_class = exc.error_class
         result.error = redact(exc.message)
         result.rate_limit_headers = _rate_limit_headers(exc.headers)
-        result.exit_code = EXIT_AUTH if isinstance(exc, AuthError) else EXIT_SOME_FAILED
+        result.exit_code = ExitCode.AUTH if isinstance(exc, AuthError) else ExitCode.SOME_FAILED
         return result
     finally:
         if own_client:
@@ -114,7 +112,7 @@ async def check_spec(
         except OutputInvalidError as invalid:
             result.schema, result.problem = "invalid", invalid.message
             result.error_class = invalid.error_class
-            result.exit_code = EXIT_SOME_FAILED
+            result.exit_code = ExitCode.SOME_FAILED
         else:
             result.schema, result.parsed = "valid", verdict.parsed
     return result
@@ -155,5 +153,5 @@ def render_check(result: CheckResult) -> str:
         lines.append("schema      valid: " + orjson.dumps(result.parsed).decode()[:500])
     elif result.schema == "invalid":
         lines.append(f"schema      INVALID ({result.error_class}): {result.problem}")
-    lines.append("result      " + ("OK" if result.exit_code == EXIT_OK else "FAILED"))
+    lines.append("result      " + ("OK" if result.exit_code == ExitCode.OK else "FAILED"))
     return "\n".join(lines)

@@ -22,19 +22,16 @@ import orjson
 
 from batchrun import interrupt
 from batchrun.errors import (
-    EXIT_BUDGET,
-    EXIT_OK,
-    EXIT_SOME_FAILED,
-    EXIT_TEMPFAIL,
     BatchrunError,
     ExportWriteError,
     StoppedError,
     UsageError,
 )
 from batchrun.export import FORMATS, check_target, export_job
-from batchrun.ledger import ItemState, Ledger, default_db_path, resolve_db_url
+from batchrun.ledger import Ledger, default_db_path, resolve_db_url
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import PROVIDER_KINDS, Overrides, load_spec, spec_for_batch_input
+from batchrun.states import USER_RETRYABLE_STATES, ExitCode, ItemState, StopReason
 
 if TYPE_CHECKING:
     from batchrun.jobs import DryRun, RunSummary
@@ -210,7 +207,7 @@ def _work(
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, _on_signal, runner, runner.spec.run.grace_seconds, signum)
             if interrupt.stop_requested():  # came after the last stop point, before these handlers
-                runner.request_stop("signal", f"stopped by {interrupt.received()}")
+                runner.request_stop(StopReason.SIGNAL, f"stopped by {interrupt.received()}")
             if not quiet or log_file:
                 progress = asyncio.create_task(show_progress(runner, todo, interval=progress_interval, quiet=quiet))
 
@@ -284,7 +281,7 @@ def _on_signal(runner: JobRunner | Worker, grace_seconds: float, signum: int) ->
         f"batchrun: {name}: finishing requests in flight (up to {grace_seconds:g} s); send again to stop at once",
         err=True,
     )
-    runner.request_stop("signal", f"stopped by {name}")
+    runner.request_stop(StopReason.SIGNAL, f"stopped by {name}")
 
 
 def _stoppable() -> contextlib.AbstractContextManager[Callable[[], bool]]:
@@ -311,7 +308,7 @@ def _stop_point(job_id: int | None = None, *, ledger: Ledger | None = None, as_j
     if as_json and ledger is not None:
         counts = ledger.counts(job_id)
         click.echo(orjson.dumps({"job_id": job_id, "total": sum(counts.values()), "counts": counts,
-                                 "exit_code": EXIT_TEMPFAIL, "stop_reason": "signal", "output": None}).decode())
+                                 "exit_code": ExitCode.TEMPFAIL, "stop_reason": StopReason.SIGNAL, "output": None}).decode())
     raise StoppedError(f"stopped by {name} before the run started; carry on with: batchrun resume {job_id}")
 
 
@@ -334,7 +331,7 @@ def _finish(
     exported = None
     exit_code = summary.exit_code
     unwritten: BatchrunError | None = None  # the job is finished, its output file is not
-    if output and exit_code in (EXIT_OK, EXIT_SOME_FAILED):
+    if output and exit_code in (ExitCode.OK, ExitCode.SOME_FAILED):
         try:
             with _stoppable() as should_stop:
                 exported = export_job(ledger, summary.job_id, output, fmt=fmt, errors=errors, force=force,
@@ -359,7 +356,7 @@ def _finish(
                     "counts": counts,
                     "cached": cached,
                     "exit_code": exit_code,
-                    "stop_reason": summary.result.stop_reason or ("signal" if isinstance(unwritten, StoppedError) else None),
+                    "stop_reason": summary.result.stop_reason or (StopReason.SIGNAL if isinstance(unwritten, StoppedError) else None),
                     "output": str(exported.path) if exported else None,
                     "errors_file": str(exported.errors_path) if exported and exported.errors_path else None,
                 }
@@ -378,9 +375,9 @@ def _finish(
         click.echo(f"batchrun: {summary.result.stop_message}", err=True)
     if unwritten is not None:
         _fail(unwritten)
-    if summary.exit_code == EXIT_TEMPFAIL:
+    if summary.exit_code == ExitCode.TEMPFAIL:
         click.echo(f"batchrun: job {summary.job_id} has work left; carry on with: batchrun resume {summary.job_id}", err=True)
-    if summary.exit_code == EXIT_BUDGET:
+    if summary.exit_code == ExitCode.BUDGET:
         click.echo(
             f"batchrun: job {summary.job_id} has work left; carry on with a larger total budget: "
             f"batchrun resume {summary.job_id} --budget-usd AMOUNT",
@@ -757,9 +754,9 @@ def retry(job: int, states: str, where: str | None, max_tokens: int | None, db: 
       batchrun retry 3 --where error_class=truncated --max-tokens 1000 && batchrun resume 3
     """
     chosen = [s.strip() for s in states.split(",") if s.strip()]
-    bad = [s for s in chosen if s not in ItemState.RETRYABLE]
+    bad = [s for s in chosen if s not in USER_RETRYABLE_STATES]
     if bad:
-        raise UsageError(f"--state {bad[0]!r}: only {', '.join(ItemState.RETRYABLE)} can be retried")
+        raise UsageError(f"--state {bad[0]!r}: only {', '.join(USER_RETRYABLE_STATES)} can be retried")
     with _open(db) as ledger:
         ledger.get_job(job)
         n = ledger.retry(job, chosen, _parse_where(where), max_tokens=max_tokens)
@@ -925,7 +922,7 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, _on_signal, runner, runner.grace_seconds, signum)
             if interrupt.stop_requested():  # came after the last stop point, before these handlers
-                runner.request_stop("signal", f"stopped by {interrupt.received()}")
+                runner.request_stop(StopReason.SIGNAL, f"stopped by {interrupt.received()}")
             try:
                 return await runner.run()
             finally:
@@ -942,7 +939,7 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
     click.echo(f"jobs {' '.join(map(str, result.jobs)) or '-'}: {done}")
     if result.stop_message:
         click.echo(f"batchrun: {result.stop_message}", err=True)
-    if result.exit_code == EXIT_TEMPFAIL:
+    if result.exit_code == ExitCode.TEMPFAIL:
         click.echo("batchrun: work is left; start a worker again (or let the others finish it)", err=True)
     sys.exit(result.exit_code)
 
@@ -977,7 +974,7 @@ def demo(example: str, db: str | None) -> None:
         _stop_point(job_id)
         summary = _work(ledger, job_id, overrides=Overrides(), command="demo", transport="aiohttp", quiet=False)
         db_hint = "" if db is None else f" --db {db}"
-        if summary.exit_code in (EXIT_OK, EXIT_SOME_FAILED):
+        if summary.exit_code in (ExitCode.OK, ExitCode.SOME_FAILED):
             with _stoppable() as should_stop:
                 exported = export_job(ledger, job_id, output, should_stop=should_stop)
             click.echo(f"output: {exported.path} ({exported.lines} lines)")

@@ -9,6 +9,7 @@
     │   └── ExportError
     │       └── ExportWriteError  exit 75: the file could not be written; the results are safe
     ├── JobNotFoundError      exit 2
+    ├── StoppedError          exit 75: a signal stopped the command at a clean point
     ├── JobLockedError        exit 75: another run holds the job
     │   └── LockLostError     exit 75: this run stalled and another took the job over
     ├── LedgerBusyError       exit 75: the SQLite file stayed locked by a stalled writer
@@ -32,19 +33,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-# Exit codes (DESIGN.md: Cron and exit codes).
-EXIT_OK = 0  # every item succeeded
-EXIT_SOME_FAILED = 1  # finished; some items failed, invalid, rejected or cancelled
-EXIT_USAGE = 2  # usage, spec or input error; nothing was sent
-EXIT_AUTH = 3  # stopped: authentication refused
-EXIT_BUDGET = 4  # stopped: budget reached
-EXIT_TEMPFAIL = 75  # stopped early with work left: resume later
+from batchrun.states import ExitCode, StopReason
 
 
 class BatchrunError(Exception):
     """Something went wrong in batchrun."""
 
-    exit_code: ClassVar[int] = 1
+    exit_code: ClassVar[int] = ExitCode.SOME_FAILED
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or "").strip())
@@ -57,7 +52,7 @@ class BatchrunError(Exception):
 class UsageError(BatchrunError):
     """Invalid usage."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class SpecError(UsageError):
@@ -80,56 +75,56 @@ class ExportWriteError(ExportError):
     (the same command, or ``batchrun export``) sends nothing.
     """
 
-    exit_code = 75
+    exit_code = ExitCode.TEMPFAIL
 
 
 class JobNotFoundError(BatchrunError):
     """No such job in this ledger."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class StoppedError(BatchrunError):
     """Stopped while reading the input; run the same command again to carry on."""
 
-    exit_code = 75
+    exit_code = ExitCode.TEMPFAIL
 
 
 class JobLockedError(BatchrunError):
     """Another run is working on this job."""
 
-    exit_code = 75
+    exit_code = ExitCode.TEMPFAIL
 
 
 class LockLostError(JobLockedError):
     """This run stalled past its lock's staleness and another run took the job over: stop sending."""
 
-    stop_reason: ClassVar[str] = "lock_lost"
+    stop_reason: ClassVar[StopReason] = StopReason.LOCK_LOST
 
 
 class LedgerBusyError(BatchrunError):
     """The SQLite ledger stayed locked by another process (one stalled mid-write, e.g. under SIGSTOP)."""
 
-    exit_code = 75
+    exit_code = ExitCode.TEMPFAIL
 
 
 class BudgetExceededError(BatchrunError):
     """The job's budget is reached: the next request might cost more than is left of it."""
 
-    exit_code = EXIT_BUDGET
-    stop_reason: ClassVar[str] = "budget"  # the run's stop reason, mapped to exit 4 by the run's end
+    exit_code = ExitCode.BUDGET
+    stop_reason: ClassVar[StopReason] = StopReason.BUDGET  # mapped to exit 4 by the run's end
 
 
 class LedgerError(BatchrunError):
     """The ledger cannot be used."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class LedgerWriteError(LedgerError):
     """The ledger failed during a run; what was committed is safe. Resume later."""
 
-    exit_code = 75
+    exit_code = ExitCode.TEMPFAIL
 
 
 class ProviderError(BatchrunError):

@@ -27,13 +27,13 @@ from typing import Any
 import orjson
 
 from batchrun.errors import ExportError, ExportWriteError, StoppedError
-from batchrun.ledger import ItemRow, ItemState, Ledger
+from batchrun.ledger import ItemRow, Ledger
 from batchrun.jsonutil import json_or_none
+from batchrun.states import ERROR_STATES, ItemState
 
 FORMATS = ("results", "openai-batch", "anthropic-batch")
 # The batch formats carry the provider's own answer bodies, so each fits its provider's jobs.
 _FORMAT_KINDS = {"openai-batch": ("openai", "openai-responses"), "anthropic-batch": ("anthropic",)}
-ERROR_STATES = (ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED)
 TEMP_SUFFIX = ".tmp"
 _TEMP_STEM = 200  # of the target's name in a temporary name: room is left for the random part (255 in all)
 

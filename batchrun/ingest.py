@@ -18,10 +18,11 @@ from typing import Any, BinaryIO
 import orjson
 
 from batchrun.errors import InputError, StoppedError
-from batchrun.ledger import ItemState, Ledger
+from batchrun.ledger import Ledger
 from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out_sync
 from batchrun.providers import Provider
 from batchrun.spec import JobSpec, Template, TemplateFieldError
+from batchrun.states import ItemState
 
 INSERT_BATCH = 5000
 RENEW_CHECK_LINES = 256  # lines between two looks at the clock (is a batch due for the lock's sake?)

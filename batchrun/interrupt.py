@@ -15,6 +15,7 @@ own handlers.
 
 from __future__ import annotations
 
+from batchrun.states import ExitCode
 import contextlib
 import os
 import signal
@@ -23,7 +24,6 @@ import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-from batchrun.errors import EXIT_TEMPFAIL
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -95,7 +95,7 @@ def note(signum: int) -> int:
                 stream.flush()
             except Exception:  # noqa: BLE001 (interrupted mid-write: exiting is what matters)
                 pass
-        os._exit(EXIT_TEMPFAIL)
+        os._exit(ExitCode.TEMPFAIL)
     return len(_seen)
 
 

@@ -15,26 +15,20 @@ import orjson
 from batchrun import tokens as token_count
 from batchrun.budget import budget_price, unbounded_answers
 from batchrun.errors import (
-    EXIT_AUTH,
-    EXIT_BUDGET,
-    EXIT_OK,
-    EXIT_SOME_FAILED,
-    EXIT_TEMPFAIL,
-    BudgetExceededError,
     InputError,
-    LockLostError,
     OutputInvalidError,
     SpecError,
     StoppedError,
     UsageError,
 )
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
-from batchrun.ledger import ItemState, JobRecord, Ledger
+from batchrun.ledger import JobRecord, Ledger
 from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out_sync
 from batchrun.pricing import Price, price_for
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
 from batchrun.spec import JobSpec, Overrides
+from batchrun.states import ExitCode, ItemState, exit_code_for, no_counts
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +128,7 @@ class DryRun:
         return None if self.unpriced else self.max_usd
 
     def to_json(self) -> dict[str, Any]:
-        counts = dict.fromkeys(ItemState.ALL, 0)
+        counts = no_counts()
         counts[ItemState.PENDING] = self.to_send
         counts[ItemState.REJECTED] = self.rejected
         price = self.price
@@ -245,17 +239,17 @@ def _ingest_locked(
     A signal that came while the input was read stops here, before anything is sent.
     """
     run_id = ledger.start_run(job_id, "ingest", exclusive=True, stale_after=builder.spec.run.lock_stale_seconds)
-    code = EXIT_TEMPFAIL
+    code = ExitCode.TEMPFAIL
     try:
         if ledger.get_job(job_id).ingest_done:  # the run we waited for finished it
-            code = EXIT_OK
+            code = ExitCode.OK
             return None
         stats = ingest(ledger, job_id, path, builder, run_id=run_id, on_batch=on_batch, should_stop=should_stop)
         ride_out_sync(
             lambda: ledger.finish_ingest(job_id, run_id=run_id),
             for_seconds=0.0 if ledger.is_sqlite else LEDGER_RETRY_SECONDS, what="ingest",
         )
-        code = EXIT_OK
+        code = ExitCode.OK
     finally:
         ledger.end_run(job_id, run_id, code)
     if should_stop and should_stop():
@@ -284,21 +278,6 @@ def finish_interrupted_ingest(
             "submit the original file again to finish it"
         )
     return _ingest_locked(ledger, job_id, path, _builder(job.spec), should_stop=should_stop)
-
-
-def exit_code_for(counts: dict[str, int], stop_reason: str | None, *, ingest_done: bool = True) -> int:
-    """DESIGN.md's exit codes from the item counts and why the run stopped."""
-    if stop_reason == "auth":
-        return EXIT_AUTH
-    if stop_reason == BudgetExceededError.stop_reason:
-        return EXIT_BUDGET
-    if stop_reason == LockLostError.stop_reason:
-        return EXIT_TEMPFAIL  # another run has the job now: this one stopped early, whatever the counts say
-    if counts[ItemState.PENDING] or counts[ItemState.RUNNING] or not ingest_done:
-        return EXIT_TEMPFAIL
-    if counts[ItemState.SUCCEEDED] == sum(counts.values()):
-        return EXIT_OK
-    return EXIT_SOME_FAILED
 
 
 def effective_spec(job: JobRecord, overrides: Overrides | None) -> JobSpec:

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from batchrun.scheduler import JobRunner
+from batchrun.states import WORKED_STATES
 
-FINAL = ("succeeded", "failed", "invalid_output")
 DEFAULT_INTERVAL_S = 10.0
 log = logging.getLogger("batchrun.progress")
 
@@ -23,7 +23,7 @@ log = logging.getLogger("batchrun.progress")
 def snapshot(runner: JobRunner, todo: int) -> dict[str, Any]:
     """Where the run stands: counts, rate, ETA, spend, errors by class, concurrency and rate-limit state."""
     s = runner.stats
-    done = sum(s.done[k] for k in FINAL)
+    done = sum(s.done[k] for k in WORKED_STATES)
     elapsed = max(1e-9, time.time() - s.started_at)
     rate = done / elapsed
     rate_limits: dict[str, float] = {}
@@ -129,7 +129,7 @@ async def show_progress(
             try:
                 await asyncio.sleep(0.2)
             except asyncio.CancelledError:
-                progress.update(task, completed=sum(runner.stats.done[k] for k in FINAL))
+                progress.update(task, completed=sum(runner.stats.done[k] for k in WORKED_STATES))
                 log.info("progress", extra={"progress": snapshot(runner, todo)})
                 raise
 

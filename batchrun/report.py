@@ -29,8 +29,9 @@ from rich.text import Text
 from batchrun.errors import ExportError
 from batchrun.budget import budget_status
 from batchrun.export import write_atomic
-from batchrun.ledger import ItemState, Ledger
+from batchrun.ledger import Ledger
 from batchrun.ledger.store import AttemptTotals, Distribution, ErrorGroup
+from batchrun.states import FINISHED_STATES, ItemState
 
 PERCENTILES = (50, 90, 99)
 # Attempt measures: total latency and TTFT of clean answers, queue wait of every request.
@@ -76,7 +77,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
     by_class = ledger.errors_by_class(job_id)
     per_item = ledger.requests_per_item(job_id)
     total = sum(counts.values())
-    finished = sum(counts[s] for s in ItemState.FINAL)
+    finished = sum(counts[s] for s in FINISHED_STATES)
     first, last = totals.first_started_at, totals.last_started_at
     elapsed = (last - first) if first and last and last > first else None
     # Reused answers (the response cache) cost no request: they count neither as

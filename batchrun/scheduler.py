@@ -63,7 +63,7 @@ from batchrun.errors import (
     RateLimitedError,
     RetryableError,
 )
-from batchrun.ledger import AttemptRecord, ClaimedItem, ItemState, JobRecord, Ledger, Outcome
+from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Ledger, Outcome
 from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out
 from batchrun.providers import Provider, Reply, make_client, send
 from batchrun.providers.base import PreparedRequest, RateLimits
@@ -71,6 +71,7 @@ from batchrun.pricing import Price, price_for
 from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SendPacer, SharedTokenBucket, TokenBucket
 from batchrun.spec import JobSpec
 from batchrun.validate import OutputValidator, feedback
+from batchrun.states import ItemState, StopReason
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -120,7 +121,7 @@ class RunStats:
 @dataclass(frozen=True)
 class RunResult:
     run_id: str
-    stop_reason: str | None
+    stop_reason: StopReason | None
     stop_message: str | None
 
 
@@ -183,7 +184,7 @@ class JobRunner:
         self._client = client
         self._sleep = sleep
         self._stop = asyncio.Event()
-        self._stop_reason: str | None = None
+        self._stop_reason: StopReason | None = None
         self._stop_message: str | None = None
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-ledger")
         self._outcomes: list[Outcome] = []
@@ -239,7 +240,7 @@ class JobRunner:
 
     # -- control ------------------------------------------------------------
 
-    def request_stop(self, reason: str, message: str | None = None) -> None:
+    def request_stop(self, reason: StopReason, message: str | None = None) -> None:
         """Stop claiming and wind down (first reason wins)."""
         if self._stop_reason is None:
             self._stop_reason = reason
@@ -319,7 +320,7 @@ class JobRunner:
                 deadline = asyncio.get_running_loop().call_later(
                     self.spec.run.max_runtime,
                     self.request_stop,
-                    "deadline",
+                    StopReason.DEADLINE,
                     f"--max-runtime of {self.spec.run.max_runtime:g} s reached",
                 )
             try:
@@ -379,7 +380,7 @@ class JobRunner:
                     except LockLostError as lost:
                         self._lock_lost = True
                         log.error("%s", lost.message, extra={"job": self.job.id})
-                        self.request_stop(LockLostError.stop_reason, lost.message)
+                        self.request_stop(StopReason.LOCK_LOST, lost.message)
                         break
                     if not claimed:
                         if not active:
@@ -455,7 +456,7 @@ class JobRunner:
     def _writer_ended(self, writer: asyncio.Task[None]) -> None:
         if not writer.cancelled() and writer.exception() is not None:
             exc = writer.exception()
-            self.request_stop("error", f"the ledger writer failed: {type(exc).__name__}: {exc}")
+            self.request_stop(StopReason.ERROR, f"the ledger writer failed: {type(exc).__name__}: {exc}")
         self._wake.set()
 
     async def _work(self, work: _ItemWork) -> None:
@@ -483,7 +484,7 @@ class JobRunner:
         except _Stopped:
             self._put_back(work)
         except AuthError as exc:
-            self.request_stop("auth", f"authentication refused: {exc.message}")
+            self.request_stop(StopReason.AUTH, f"authentication refused: {exc.message}")
             self._put_back(work)
         except BudgetExceededError as exc:
             self.request_stop(exc.stop_reason, exc.message)
@@ -496,7 +497,7 @@ class JobRunner:
         except Exception as exc:  # a bug or a broken environment: stop the run with it
             self._put_back(work)
             self._crash = self._crash or exc
-            self.request_stop("error", f"internal error: {type(exc).__name__}: {exc}")
+            self.request_stop(StopReason.ERROR, f"internal error: {type(exc).__name__}: {exc}")
 
     async def _ask(self, work: _ItemWork) -> Reply:
         """One question (the request, or a re-ask), retried through tenacity until answered.
@@ -688,7 +689,7 @@ class JobRunner:
         self.controller.on_rate_limited(self._outage_pause)
         if now - self._last_clean > self.spec.run.outage_seconds:
             self.request_stop(
-                "outage",
+                StopReason.OUTAGE,
                 f"no clean answer for {self.spec.run.outage_seconds:g} s: every request failed "
                 f"({self._failures_in_row} in a row); the items stay pending",
             )
@@ -952,7 +953,7 @@ class JobRunner:
         except LockLostError as lost:
             self._lock_lost = True
             log.error("%s", lost.message, extra={"job": self.job.id})
-            self.request_stop(LockLostError.stop_reason, lost.message)  # wakes the waiters: they stop
+            self.request_stop(StopReason.LOCK_LOST, lost.message)  # wakes the waiters: they stop
             return
         except BaseException:
             self._confirmed()

@@ -40,13 +40,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from batchrun.errors import EXIT_OK, EXIT_TEMPFAIL, BatchrunError, LedgerWriteError, UsageError
-from batchrun.jobs import effective_spec, exit_code_for
+from batchrun.errors import BatchrunError, LedgerWriteError, UsageError
+from batchrun.jobs import effective_spec
 from batchrun.ledger import Ledger
 from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides
+from batchrun.states import ExitCode, StopReason, exit_code_for
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,7 +81,7 @@ class WorkerStats:
 @dataclass(frozen=True)
 class WorkerResult:
     exit_code: int
-    stop_reason: str | None
+    stop_reason: StopReason | None
     stop_message: str | None
     jobs: tuple[int, ...]  # the jobs this worker worked on
     done: dict[str, int]  # items it finished (or released), by state
@@ -114,13 +115,13 @@ class Worker:
         self._worked: set[int] = set()
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
-        self._stop_reason: str | None = None
+        self._stop_reason: StopReason | None = None
         self._stop_message: str | None = None
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-worker")
 
     # -- control ------------------------------------------------------------
 
-    def request_stop(self, reason: str, message: str | None = None) -> None:
+    def request_stop(self, reason: StopReason, message: str | None = None) -> None:
         """Stop claiming everywhere and wind down (first reason wins)."""
         if self._stop_reason is None:
             self._stop_reason = reason
@@ -160,32 +161,32 @@ class Worker:
                 deadline = asyncio.get_running_loop().call_later(
                     self.options.max_runtime,
                     self.request_stop,
-                    "deadline",
+                    StopReason.DEADLINE,
                     f"--max-runtime of {self.options.max_runtime:g} s reached",
                 )
             try:
                 await self._poll()
             finally:
                 for runner in self.runners.values():
-                    runner.request_stop(self._stop_reason or "stop", self._stop_message)
+                    runner.request_stop(self._stop_reason or StopReason.STOP, self._stop_message)
                 if self._tasks:
                     await asyncio.wait(list(self._tasks.values()))
             code = await self._exit_code()
         except LedgerWriteError as exc:
-            self.request_stop("ledger", exc.message)
+            self.request_stop(StopReason.LEDGER, exc.message)
             await self._drain()
-            code = EXIT_TEMPFAIL
+            code = ExitCode.TEMPFAIL
         except Exception as exc:
             if not isinstance(exc, BatchrunError) and _is_ledger_failure(exc):
                 message = (
                     f"the ledger stayed unreachable for {self.options.ledger_retry_seconds:g} s: "
                     f"{type(exc).__name__}: {exc}. What was committed is safe; start the worker again"
                 )
-                self.request_stop("ledger", message)
+                self.request_stop(StopReason.LEDGER, message)
                 await self._drain()
-                code = EXIT_TEMPFAIL
+                code = ExitCode.TEMPFAIL
             else:
-                self.request_stop("error", f"{type(exc).__name__}: {exc}")
+                self.request_stop(StopReason.ERROR, f"{type(exc).__name__}: {exc}")
                 await self._drain()
                 raise
         finally:
@@ -209,7 +210,7 @@ class Worker:
                 if has_pending and job_id not in self._tasks and self._backoff.get(job_id, 0.0) <= now:
                     self._start(job_id)
             if not open_jobs and not self._tasks and self.options.exit_when_idle:
-                self._stop_reason = self._stop_reason or "idle"
+                self._stop_reason = self._stop_reason or StopReason.IDLE
                 self._stop_message = self._stop_message or "nothing left to do in the jobs served"
                 return
             try:
@@ -228,9 +229,9 @@ class Worker:
             if not t.cancelled() and t.exception() is not None:
                 exc = t.exception()
                 if isinstance(exc, LedgerWriteError):
-                    self.request_stop("ledger", exc.message)
+                    self.request_stop(StopReason.LEDGER, exc.message)
                 else:
-                    self.request_stop("error", f"job {job_id}: {type(exc).__name__}: {exc}")
+                    self.request_stop(StopReason.ERROR, f"job {job_id}: {type(exc).__name__}: {exc}")
 
         task.add_done_callback(ended)
 
@@ -286,7 +287,7 @@ class Worker:
         counts = await self._call(self.ledger.counts, job_id)
         code = exit_code_for(counts, result.stop_reason, ingest_done=job.ingest_done)
         await self._call(self.ledger.end_run, job_id, result.run_id, code)
-        if result.stop_reason in ("auth", "outage", "error", "budget"):
+        if result.stop_reason in (StopReason.AUTH, StopReason.OUTAGE, StopReason.ERROR, StopReason.BUDGET):
             self._back_off(job_id, result.stop_message or result.stop_reason or "")
 
     def _back_off(self, job_id: int, why: str) -> None:
@@ -295,16 +296,16 @@ class Worker:
         self._backoff[job_id] = time.monotonic() + wait
 
     async def _exit_code(self) -> int:
-        if self._stop_reason == "idle":
-            return EXIT_OK
-        if self._stop_reason == "ledger":
-            return EXIT_TEMPFAIL
+        if self._stop_reason == StopReason.IDLE:
+            return ExitCode.OK
+        if self._stop_reason == StopReason.LEDGER:
+            return ExitCode.TEMPFAIL
         try:
             left = await self._call(self.ledger.open_jobs, self.job_ids)
         except Exception as exc:  # the ledger is gone: whether work is left is unknown, so assume it is
             log.warning("cannot tell whether work is left: %s", exc)
-            return EXIT_TEMPFAIL
-        return EXIT_TEMPFAIL if left else EXIT_OK
+            return ExitCode.TEMPFAIL
+        return ExitCode.TEMPFAIL if left else ExitCode.OK
 
 
 def _is_ledger_failure(exc: BaseException) -> bool:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from batchrun.ledger.engine import default_db_path, resolve_db_url
-from batchrun.ledger.models import ItemState
 from batchrun.ledger.store import AttemptRecord, ClaimedItem, ItemRow, JobRecord, Ledger, Outcome
 
 __all__ = [
     "AttemptRecord",
     "ClaimedItem",
     "ItemRow",
-    "ItemState",
     "JobRecord",
     "Ledger",
     "Outcome",

@@ -12,22 +12,6 @@ from sqlalchemy import BigInteger, Boolean, Column, Float, ForeignKey, Index, In
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
-class ItemState:
-    """The states of an item (see DESIGN.md)."""
-
-    PENDING = "pending"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    INVALID_OUTPUT = "invalid_output"
-    REJECTED = "rejected"
-    CANCELLED = "cancelled"
-
-    ALL = (PENDING, RUNNING, SUCCEEDED, FAILED, INVALID_OUTPUT, REJECTED, CANCELLED)
-    FINAL = (SUCCEEDED, FAILED, INVALID_OUTPUT, REJECTED, CANCELLED)
-    RETRYABLE = (FAILED, INVALID_OUTPUT)
-
-
 metadata = MetaData()
 
 jobs = Table(

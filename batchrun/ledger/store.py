@@ -42,7 +42,6 @@ from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 from batchrun.cache import CachedAnswer
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerBusyError, LockLostError
 from batchrun.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE_OPTION, open_engine
-from batchrun.ledger.models import ItemState
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import exports as exports_t
 from batchrun.ledger.models import items as items_t
@@ -50,6 +49,7 @@ from batchrun.ledger.models import jobs as jobs_t
 from batchrun.ledger.models import rate_buckets as buckets_t
 from batchrun.ledger.models import runs as runs_t
 from batchrun.spec import JobSpec
+from batchrun.states import ItemState, no_counts
 
 
 @dataclass(frozen=True)
@@ -418,7 +418,7 @@ class Ledger:
     def list_jobs(self) -> list[tuple[JobRecord, dict[str, int]]]:
         with self.engine.connect() as conn:
             ids = conn.execute(select(jobs_t.c.id).order_by(jobs_t.c.id)).scalars().all()
-            counts: dict[int, dict[str, int]] = {i: dict.fromkeys(ItemState.ALL, 0) for i in ids}
+            counts: dict[int, dict[str, int]] = {i: no_counts() for i in ids}
             for job_id, state, n in conn.execute(
                 select(items_t.c.job_id, items_t.c.state, func.count()).group_by(items_t.c.job_id, items_t.c.state)
             ):
@@ -796,7 +796,7 @@ class Ledger:
         with self._write() as conn:
             if exclusive:
                 self._renew_lock(conn, job_id, run_id)
-            rows = []
+            rows: Sequence[Any] = ()
             if token:
                 rows = conn.execute(
                     select(*_CLAIMED_COLUMNS).where(
@@ -1023,7 +1023,7 @@ class Ledger:
     # -- reading ------------------------------------------------------------
 
     def counts(self, job_id: int) -> dict[str, int]:
-        counts = dict.fromkeys(ItemState.ALL, 0)
+        counts = no_counts()
         with self.engine.connect() as conn:
             for state, n in conn.execute(
                 select(items_t.c.state, func.count()).where(items_t.c.job_id == job_id).group_by(items_t.c.state)

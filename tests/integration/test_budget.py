@@ -13,11 +13,12 @@ import orjson
 import pytest
 
 from batchrun.errors import SpecError
-from batchrun.jobs import EXIT_BUDGET, EXIT_OK, EXIT_SOME_FAILED, RunSummary, prepare_job, run_job
-from batchrun.ledger import ItemState, Ledger
+from batchrun.jobs import RunSummary, prepare_job, run_job
+from batchrun.ledger import Ledger
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, parse_spec
 from batchrun.testing import FakeOpenAIServer, Faults, RequestRecord
+from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
 IN, OUT = 1000.0, 2000.0  # USD per million tokens: large, so one request costs cents and sums read easily
@@ -95,7 +96,7 @@ def test_budget_holds_at_concurrency_64_and_resume_with_more_finishes(
 
     first = run(ledger, job_id, budget_usd=budget)
 
-    assert first.exit_code == EXIT_BUDGET and first.result.stop_reason == "budget"
+    assert first.exit_code == ExitCode.BUDGET and first.result.stop_reason == "budget"
     assert "budget of" in (first.result.stop_message or "")
     # really ran wide (dozens of reservations at once, not a trickle); how close to 64 the
     # slow start gets before the cap depends on the machine's load
@@ -115,7 +116,7 @@ def test_budget_holds_at_concurrency_64_and_resume_with_more_finishes(
 
     second = run(ledger, job_id, budget_usd=budget * 10)
 
-    assert second.exit_code == EXIT_OK, second.counts
+    assert second.exit_code == ExitCode.OK, second.counts
     assert second.counts[ItemState.SUCCEEDED] == n
     assert max(server.ok_by_key().values()) == 1  # no item was answered (cleanly) twice
     rows = list(ledger.iter_items(job_id))
@@ -136,7 +137,7 @@ def test_budget_is_used_to_the_last_request_that_fits(
 
     summary = run(ledger, job_id, budget_usd=budget)
 
-    assert summary.exit_code == EXIT_BUDGET
+    assert summary.exit_code == ExitCode.BUDGET
     spent = ledger.spent_usd(job_id)
     assert spent == pytest.approx(billed_by_server(server.log))  # every request answered cleanly and recorded
     # Requests that do not fit while others are in flight wait for them to settle; the run stops only when
@@ -150,15 +151,15 @@ def test_a_spent_budget_sends_nothing_until_it_is_raised(
 ) -> None:
     job_id = prepare_job(ledger, job_spec(server, concurrency=8, budget_usd=0.5), write_jsonl(records(40))).job_id
     first = run(ledger, job_id)  # the spec's own budget
-    assert first.exit_code == EXIT_BUDGET
+    assert first.exit_code == ExitCode.BUDGET
     sent = len(server.log)
     assert 0 < sent < 40
     again = run(ledger, job_id)  # same budget: stops before sending anything
-    assert again.exit_code == EXIT_BUDGET
+    assert again.exit_code == ExitCode.BUDGET
     assert len(server.log) == sent
     assert again.counts == first.counts
     more = run(ledger, job_id, budget_usd=100)
-    assert more.exit_code == EXIT_OK
+    assert more.exit_code == ExitCode.OK
     assert len(server.log) == 40
 
 
@@ -171,7 +172,7 @@ def test_error_answers_are_free_and_timeouts_count_at_their_worst_case(
     server.faults = Faults(status_override=500)
     job_id = prepare_job(ledger, spec, write_jsonl(lines)).job_id
     failing = run(ledger, job_id, budget_usd=budget)
-    assert failing.exit_code == EXIT_SOME_FAILED  # 15 error answers, none billed: never stopped by the budget
+    assert failing.exit_code == ExitCode.SOME_FAILED  # 15 error answers, none billed: never stopped by the budget
     assert len(server.log) == 15 and failing.counts[ItemState.FAILED] == 5
 
     server.faults = Faults(p_hang=1.0)
@@ -179,7 +180,7 @@ def test_error_answers_are_free_and_timeouts_count_at_their_worst_case(
     job_id = prepare_job(ledger, spec, write_jsonl(lines, "hang.jsonl"), new=True).job_id
     hanging = run(ledger, job_id, budget_usd=budget, timeout=0.2)
     # A timed-out request may have been billed: each keeps its worst case, so only two are ever sent.
-    assert hanging.exit_code == EXIT_BUDGET
+    assert hanging.exit_code == ExitCode.BUDGET
     time.sleep(0.3)  # the server logs a hung request when the client drops the connection
     assert len(server.log) == 2
     assert hanging.counts[ItemState.PENDING] == 5

@@ -11,12 +11,13 @@ import pytest
 from sqlalchemy import text
 
 from batchrun.export import export_job
-from batchrun.jobs import EXIT_OK, EXIT_SOME_FAILED, RunSummary, prepare_job, run_job
-from batchrun.ledger import ItemState, Ledger
+from batchrun.jobs import RunSummary, prepare_job, run_job
+from batchrun.ledger import Ledger
 from batchrun.report import job_status, status_lines
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, load_spec
 from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
 SCHEMA = {
@@ -99,7 +100,7 @@ def test_next_day_only_new_records_reach_the_server(
 ) -> None:
     spec = make_spec(server.base_url)
     day1 = submit(ledger, spec, write_jsonl(records(100), "day1.jsonl"))
-    assert run(ledger, day1).exit_code == EXIT_OK
+    assert run(ledger, day1).exit_code == ExitCode.OK
     assert sorted(sent(server)) == sorted(f"Summarise: record {i}" for i in range(100))
     day1_out = results(ledger, day1, tmp_path / "day1.out")
     day1_cost = job_status(ledger, day1)["cost_usd"]
@@ -108,7 +109,7 @@ def test_next_day_only_new_records_reach_the_server(
     day2 = submit(ledger, spec, write_jsonl(records(110), "day2.jsonl"))
     assert day2 != day1  # new content, new job
     summary = run(ledger, day2)
-    assert summary.exit_code == EXIT_OK
+    assert summary.exit_code == ExitCode.OK
     assert summary.counts[ItemState.SUCCEEDED] == 110
     assert sorted(sent(server, seen)) == sorted(f"Summarise: record {i}" for i in range(100, 110))
 
@@ -141,7 +142,7 @@ def test_next_day_only_new_records_reach_the_server(
     # Day 3, the same again: everything reused, each pointing at the item that paid for it.
     seen = len(server.log)
     day3 = submit(ledger, spec, write_jsonl(records(110), "day2.jsonl"), new=True)
-    assert run(ledger, day3).exit_code == EXIT_OK
+    assert run(ledger, day3).exit_code == ExitCode.OK
     assert len(server.log) == seen
     rows = {r.custom_id: r for r in ledger.iter_items(day3)}
     originals = {r.custom_id: r.item_id for r in ledger.iter_items(day1)}
@@ -154,10 +155,10 @@ def test_no_cache_sends_everything_and_still_files_the_answers(
     write_jsonl: Callable[..., Path],
 ) -> None:
     spec = make_spec(server.base_url)
-    assert run(ledger, submit(ledger, spec, write_jsonl(records(30), "day1.jsonl"))).exit_code == EXIT_OK
+    assert run(ledger, submit(ledger, spec, write_jsonl(records(30), "day1.jsonl"))).exit_code == ExitCode.OK
     seen = len(server.log)
     day2 = submit(ledger, spec, write_jsonl(records(33), "day2.jsonl"))
-    assert run(ledger, day2, cache=False).exit_code == EXIT_OK
+    assert run(ledger, day2, cache=False).exit_code == ExitCode.OK
     assert sorted(sent(server, seen)) == sorted(f"Summarise: record {i}" for i in range(33))
     assert job_status(ledger, day2)["cached"] == 0
     assert all("cached" not in line for line in results(ledger, day2, tmp_path / "out").values())
@@ -166,11 +167,11 @@ def test_no_cache_sends_everything_and_still_files_the_answers(
     off = make_spec(server.base_url, run="cache = false", name="off")
     seen = len(server.log)
     day3 = submit(ledger, off, write_jsonl(records(34), "day3.jsonl"))
-    assert run(ledger, day3).exit_code == EXIT_OK
+    assert run(ledger, day3).exit_code == ExitCode.OK
     assert len(server.log) - seen == 34
     seen = len(server.log)
     day4 = submit(ledger, spec, write_jsonl(records(35), "day4.jsonl"))
-    assert run(ledger, day4).exit_code == EXIT_OK
+    assert run(ledger, day4).exit_code == ExitCode.OK
     assert sent(server, seen) == ["Summarise: record 34"]
 
 
@@ -178,7 +179,7 @@ def test_a_different_model_template_or_base_url_is_a_different_request(
     ledger: Ledger, server: FakeOpenAIServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
 ) -> None:
     path = write_jsonl(records(20))
-    assert run(ledger, submit(ledger, make_spec(server.base_url), path)).exit_code == EXIT_OK
+    assert run(ledger, submit(ledger, make_spec(server.base_url), path)).exit_code == ExitCode.OK
     for spec, over in (
         (make_spec(server.base_url), {"model": "m2"}),
         (make_spec(server.base_url, template="Shorten: {text}", name="t2"), {}),
@@ -187,12 +188,12 @@ def test_a_different_model_template_or_base_url_is_a_different_request(
     ):
         seen = len(server.log)
         job = submit(ledger, spec.with_overrides(Overrides(**over)), path)  # type: ignore[arg-type]
-        assert run(ledger, job).exit_code == EXIT_OK
+        assert run(ledger, job).exit_code == ExitCode.OK
         assert len(server.log) - seen == 20, over or spec.request
         assert job_status(ledger, job)["cached"] == 0
     with FakeOpenAIServer() as other:
         job = submit(ledger, make_spec(other.base_url, name="other"), path)
-        assert run(ledger, job).exit_code == EXIT_OK
+        assert run(ledger, job).exit_code == ExitCode.OK
         assert len(other.log) == 20
 
 
@@ -211,16 +212,16 @@ def test_failed_and_invalid_answers_are_never_reused(
     server.faults = Faults()
     seen = len(server.log)
     again = submit(ledger, make_spec(server.base_url), path, new=True)
-    assert run(ledger, again).exit_code == EXIT_OK
+    assert run(ledger, again).exit_code == ExitCode.OK
     again_s = submit(ledger, structured, path, new=True)
-    assert run(ledger, again_s).exit_code == EXIT_OK
+    assert run(ledger, again_s).exit_code == ExitCode.OK
     assert len(server.log) - seen == 24
     assert job_status(ledger, again)["cached"] == job_status(ledger, again_s)["cached"] == 0
 
     # Now that they succeeded, a structured answer is reused and parsed by the job's own validator.
     seen = len(server.log)
     third = submit(ledger, structured, path, new=True)
-    assert run(ledger, third).exit_code == EXIT_OK
+    assert run(ledger, third).exit_code == ExitCode.OK
     assert len(server.log) == seen
     rows = list(ledger.iter_items(third))
     assert all(r.cached_from is not None and r.parsed is not None for r in rows)
@@ -234,7 +235,7 @@ def test_a_reused_answer_the_job_no_longer_accepts_is_sent_again(
     path = write_jsonl(records(5))
     structured = make_spec(server.base_url, schema=True, name="s")
     first = submit(ledger, structured, path)
-    assert run(ledger, first).exit_code == EXIT_OK
+    assert run(ledger, first).exit_code == ExitCode.OK
     with ledger.engine.begin() as conn:  # an answer that passed an older schema
         conn.execute(
             text("UPDATE items SET output = :output WHERE job_id = :job AND custom_id = 'r0'"),
@@ -242,7 +243,7 @@ def test_a_reused_answer_the_job_no_longer_accepts_is_sent_again(
         )
     seen = len(server.log)
     second = submit(ledger, structured, path, new=True)
-    assert run(ledger, second).exit_code == EXIT_OK
+    assert run(ledger, second).exit_code == ExitCode.OK
     assert len(server.log) - seen == 1
     assert job_status(ledger, second)["cached"] == 4
 
@@ -254,12 +255,12 @@ def test_the_api_key_is_not_part_of_the_request(
     spec = make_spec(server.base_url, provider='api_key_env = "CACHE_TEST_KEY"')
     server.api_key = "sk-first-key-1234567890"
     monkeypatch.setenv("CACHE_TEST_KEY", server.api_key)
-    assert run(ledger, submit(ledger, spec, write_jsonl(records(10), "day1.jsonl"))).exit_code == EXIT_OK
+    assert run(ledger, submit(ledger, spec, write_jsonl(records(10), "day1.jsonl"))).exit_code == ExitCode.OK
     server.api_key = "sk-second-key-0987654321"
     monkeypatch.setenv("CACHE_TEST_KEY", server.api_key)
     seen = len(server.log)
     day2 = submit(ledger, spec, write_jsonl(records(11), "day2.jsonl"))
-    assert run(ledger, day2).exit_code == EXIT_OK
+    assert run(ledger, day2).exit_code == ExitCode.OK
     assert sent(server, seen) == ["Summarise: record 10"]
     with ledger.engine.connect() as conn:
         stored = conn.exec_driver_sql("SELECT request_hash FROM items WHERE request_hash IS NOT NULL").scalars().all()
@@ -270,11 +271,11 @@ def test_streaming_on_or_off_asks_the_same_question(
     ledger: Ledger, server: FakeOpenAIServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
 ) -> None:
     plain = make_spec(server.base_url)
-    assert run(ledger, submit(ledger, plain, write_jsonl(records(10), "day1.jsonl"))).exit_code == EXIT_OK
+    assert run(ledger, submit(ledger, plain, write_jsonl(records(10), "day1.jsonl"))).exit_code == ExitCode.OK
     streamed = make_spec(server.base_url, run="stream = true", name="streamed")
     seen = len(server.log)
     day2 = submit(ledger, streamed, write_jsonl(records(12), "day2.jsonl"))
-    assert run(ledger, day2).exit_code == EXIT_OK
+    assert run(ledger, day2).exit_code == ExitCode.OK
     assert sorted(sent(server, seen)) == ["Summarise: record 10", "Summarise: record 11"]
     assert all(rec.stream for rec in server.log[seen:])
     assert job_status(ledger, day2)["ttft_ms"]["count"] == 2
@@ -286,11 +287,11 @@ def test_a_partly_failed_day_pays_only_for_what_failed(
     spec = make_spec(server.base_url, run="max_attempts = 1")
     server.faults = Faults(p_500=0.3, seed=5)
     day1 = submit(ledger, spec, write_jsonl(records(40), "day1.jsonl"))
-    assert run(ledger, day1).exit_code == EXIT_SOME_FAILED
+    assert run(ledger, day1).exit_code == ExitCode.SOME_FAILED
     failed = {r.custom_id for r in ledger.iter_items(day1) if r.state == ItemState.FAILED}
     assert failed
     server.faults = Faults()
     seen = len(server.log)
     day2 = submit(ledger, spec, write_jsonl(records(40), "day2.jsonl"), new=True)
-    assert run(ledger, day2).exit_code == EXIT_OK
+    assert run(ledger, day2).exit_code == ExitCode.OK
     assert sorted(sent(server, seen)) == sorted(f"Summarise: record {cid[1:]}" for cid in failed)

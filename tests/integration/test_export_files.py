@@ -14,12 +14,13 @@ from pathlib import Path
 import orjson
 import pytest
 
-from batchrun.errors import EXIT_TEMPFAIL, ExportError, StoppedError
+from batchrun.errors import ExportError, StoppedError
 from batchrun.export import export_job
 from batchrun.jobs import prepare_job
 from batchrun.ledger import Ledger
 from batchrun.report import write_html_report
 from batchrun.spec import Overrides, spec_for_batch_input
+from batchrun.states import ExitCode
 
 BATCH_SPEC = spec_for_batch_input(Overrides(base_url="http://127.0.0.1:9/v1"))
 N = 50
@@ -115,7 +116,7 @@ def test_an_os_error_while_writing_is_a_one_line_export_error(
     assert f"batchrun export {job} --output" in message
     assert "\n" not in message
     # The job's results are safe in the ledger; only the file is missing: "resume later", not "usage".
-    assert caught.value.exit_code == EXIT_TEMPFAIL
+    assert caught.value.exit_code == ExitCode.TEMPFAIL
     assert not out.exists() and temp_files(folder) == set()
 
 

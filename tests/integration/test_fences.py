@@ -19,8 +19,9 @@ from sqlalchemy.exc import OperationalError
 from batchrun.errors import JobLockedError, LockLostError
 from batchrun.ingest import INSERT_BATCH
 from batchrun.jobs import prepare_job
-from batchrun.ledger import AttemptRecord, ItemState, Ledger, Outcome
+from batchrun.ledger import AttemptRecord, Ledger, Outcome
 from batchrun.ledger.reconnect import ride_out
+from batchrun.states import ItemState
 
 from .test_ingest import BATCH_SPEC, batch_line
 from .test_ledger import SPEC, make_job

@@ -9,9 +9,10 @@ import pytest
 from batchrun.errors import InputError
 from batchrun.ingest import RequestBuilder, iter_lines
 from batchrun.jobs import prepare_job
-from batchrun.ledger import ItemState, Ledger
+from batchrun.ledger import Ledger
 from batchrun.providers import provider_for
 from batchrun.spec import Overrides, parse_spec, spec_for_batch_input
+from batchrun.states import ItemState
 
 TEMPLATE_SPEC = parse_spec(
     {

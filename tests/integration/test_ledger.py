@@ -13,10 +13,11 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerError
-from batchrun.ledger import AttemptRecord, ItemState, Ledger, Outcome
+from batchrun.ledger import AttemptRecord, Ledger, Outcome
 from batchrun.ledger.engine import SCHEMA_HEAD, alembic_config, create_ledger_engine, resolve_db_url, upgrade_to_head
 from batchrun.ledger.models import metadata
 from batchrun.spec import Overrides, spec_for_batch_input
+from batchrun.states import ItemState
 
 SPEC = spec_for_batch_input(Overrides(base_url="http://127.0.0.1:9/v1", model="m"))
 

@@ -24,12 +24,13 @@ import pytest
 from click.testing import CliRunner
 
 from batchrun.cli import main
-from batchrun.jobs import EXIT_OK, EXIT_SOME_FAILED, RunSummary, prepare_job, run_job
-from batchrun.ledger import AttemptRecord, ItemState, Ledger
+from batchrun.jobs import RunSummary, prepare_job, run_job
+from batchrun.ledger import AttemptRecord, Ledger
 from batchrun.report import job_report, nice_step
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, load_spec, spec_for_batch_input
 from batchrun.testing import FakeOpenAIServer, Faults, RequestRecord, default_key_fn
+from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
 # Client-side latency includes the server's time plus the client's own work; on a busy
@@ -122,7 +123,7 @@ def test_status_json_agrees_with_the_server_log(
         p_reset=0.02, seed=11,
     )
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(240)))
-    assert run(ledger, job_id).exit_code == EXIT_OK
+    assert run(ledger, job_id).exit_code == ExitCode.OK
     log = server.log
     ok = [r for r in log if r.outcome == "ok"]
     failed = [r for r in log if r.outcome != "ok"]
@@ -186,7 +187,7 @@ def test_failed_items_by_status_and_class_with_an_example(
 ) -> None:
     server.faults = Faults(status_override=400)
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(6) + ["{broken"]))
-    assert run(ledger, job_id).exit_code == EXIT_SOME_FAILED
+    assert run(ledger, job_id).exit_code == ExitCode.SOME_FAILED
     data = status_json(db_url, job_id)
     assert data["counts"]["failed"] == 6 and data["counts"]["rejected"] == 1
     assert data["requests"] == data["failed_requests"] == len(server.log) == 6
@@ -306,7 +307,7 @@ def test_report_html_is_one_self_contained_page_with_the_charts(
 ) -> None:
     server.faults = Faults(latency_s=0.005, latency_jitter_s=0.03, p_500=0.05, seed=3)
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(150)))
-    assert run(ledger, job_id).exit_code == EXIT_OK
+    assert run(ledger, job_id).exit_code == ExitCode.OK
     page_path = tmp_path / "report.html"
     result = cli("report", str(job_id), "--db", db_url, "--html", str(page_path))
     assert f"html: {page_path}" in result.stdout
@@ -382,7 +383,7 @@ def test_compare_plain_outputs_on_shared_custom_ids(
     ] + [{"id": f"new{i}", "text": f"new {i}"} for i in range(4)]
     job_a = submit(ledger, spec, write_jsonl(base, name="a.jsonl"))
     job_b = submit(ledger, spec, write_jsonl(edited, name="b.jsonl"))
-    assert run(ledger, job_a).exit_code == EXIT_OK and run(ledger, job_b).exit_code == EXIT_OK
+    assert run(ledger, job_a).exit_code == ExitCode.OK and run(ledger, job_b).exit_code == ExitCode.OK
 
     data = orjson.loads(cli("compare", str(job_a), str(job_b), "--json", "--db", db_url).stdout)
     assert data["outputs"] == {
@@ -414,10 +415,10 @@ def test_compare_structured_outputs_by_parsed_json(
     path = write_jsonl(records(24))
     with FakeOpenAIServer(Faults(seed=1)) as server_a:
         job_a = submit(ledger, make_spec(tmp_path, server_a, schema=True, name="a"), path)
-        assert run(ledger, job_a).exit_code == EXIT_OK
+        assert run(ledger, job_a).exit_code == ExitCode.OK
     with FakeOpenAIServer(Faults(p_fenced=0.5, seed=2), key_fn=key_b) as server_b:
         job_b = submit(ledger, make_spec(tmp_path, server_b, schema=True, name="b"), path)
-        assert run(ledger, job_b).exit_code == EXIT_OK
+        assert run(ledger, job_b).exit_code == ExitCode.OK
         assert any(r.output_fault == "fenced" for r in server_b.log)
     rows_a = {r.custom_id: r for r in ledger.iter_items(job_a)}
     rows_b = {r.custom_id: r for r in ledger.iter_items(job_b)}
@@ -461,7 +462,7 @@ def test_watch_follows_a_running_job_until_it_is_done(
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_cli_env(tmp_path),
     )
     try:
-        assert run(ledger, job_id).exit_code == EXIT_OK
+        assert run(ledger, job_id).exit_code == ExitCode.OK
         out, err = watcher.communicate(timeout=60)
     finally:
         watcher.kill()
@@ -560,7 +561,7 @@ def test_status_reports_time_to_first_token_of_a_streamed_job(
     with FakeOpenAIServer(faults) as streaming:
         spec = make_spec(tmp_path, streaming, stream=True)
         job_id = submit(ledger, spec, write_jsonl(records(40)))
-        assert run(ledger, job_id).exit_code == EXIT_OK
+        assert run(ledger, job_id).exit_code == ExitCode.OK
         log = streaming.log
     assert all(r.stream for r in log) and len(log) == 40
     status = status_json(db_url, job_id)

@@ -13,11 +13,12 @@ import orjson
 import pytest
 from sqlalchemy import event, func, select
 
-from batchrun.jobs import EXIT_AUTH, EXIT_OK, EXIT_SOME_FAILED, EXIT_TEMPFAIL, RunSummary, prepare_job, run_job
-from batchrun.ledger import ItemState, Ledger
+from batchrun.jobs import RunSummary, prepare_job, run_job
+from batchrun.ledger import Ledger
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides, spec_for_batch_input
 from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
 
@@ -57,7 +58,7 @@ def test_clean_run_every_item_once(ledger: Ledger, server: FakeOpenAIServer, wri
     server.faults = Faults(latency_s=0.005)
     job_id = submit(ledger, server, write_jsonl(batch_lines(300)), concurrency=32)
     summary = run(ledger, job_id)
-    assert summary.exit_code == EXIT_OK
+    assert summary.exit_code == ExitCode.OK
     assert summary.counts[ItemState.SUCCEEDED] == 300
     assert outputs(ledger, job_id) == {f"k{i}": f"echo: k{i}" for i in range(300)}
     assert set(server.requests_by_key().values()) == {1}
@@ -75,7 +76,7 @@ def test_faults_are_retried_and_nothing_is_paid_twice(
     )
     job_id = submit(ledger, server, write_jsonl(batch_lines(400)), concurrency=24, max_attempts=10, timeout=0.5)
     summary = run(ledger, job_id)
-    assert summary.exit_code == EXIT_OK, summary.counts
+    assert summary.exit_code == ExitCode.OK, summary.counts
     assert outputs(ledger, job_id) == {f"k{i}": f"echo: k{i}" for i in range(400)}
     assert max(server.ok_by_key().values()) == 1  # no item got two clean answers
     outcomes = {rec.outcome for rec in server.log}
@@ -92,7 +93,7 @@ def test_permanent_error_fails_at_once(ledger: Ledger, server: FakeOpenAIServer,
     server.faults = Faults(status_override=400)
     job_id = submit(ledger, server, write_jsonl(batch_lines(5)))
     summary = run(ledger, job_id)
-    assert summary.exit_code == EXIT_SOME_FAILED
+    assert summary.exit_code == ExitCode.SOME_FAILED
     rows = list(ledger.iter_items(job_id))
     assert {(r.state, r.error_class, r.status_code, r.attempts) for r in rows} == {("failed", "client_error", 400, 1)}
     assert len(server.log) == 5
@@ -104,7 +105,7 @@ def test_retries_exhausted(ledger: Ledger, server: FakeOpenAIServer, write_jsonl
     server.faults = Faults(status_override=500)
     job_id = submit(ledger, server, write_jsonl(batch_lines(3)), max_attempts=3)
     summary = run(ledger, job_id)
-    assert summary.exit_code == EXIT_SOME_FAILED
+    assert summary.exit_code == ExitCode.SOME_FAILED
     assert {(r.state, r.error_class, r.attempts) for r in ledger.iter_items(job_id)} == {("failed", "server_error", 3)}
     assert server.requests_by_key() == {"k0": 3, "k1": 3, "k2": 3}
 
@@ -116,7 +117,7 @@ def test_retries_back_off_from_the_first_failure(
     server.faults = Faults(status_override=500)
     job_id = submit(ledger, server, write_jsonl(batch_lines(1)), max_attempts=3)
     summary = run(ledger, job_id, RunOptions(backoff_initial=0.2, backoff_max=5.0, flush_interval=0.05))
-    assert summary.exit_code == EXIT_SOME_FAILED
+    assert summary.exit_code == ExitCode.SOME_FAILED
     sent = sorted(r.received_at for r in server.log)
     assert len(sent) == 3
     first_gap, second_gap = sent[1] - sent[0], sent[2] - sent[1]
@@ -130,7 +131,7 @@ def test_auth_error_stops_the_run_after_a_few_requests(
     server.faults = Faults(status_override=401)
     job_id = submit(ledger, server, write_jsonl(batch_lines(500)), concurrency=64)
     summary = run(ledger, job_id)
-    assert summary.exit_code == EXIT_AUTH
+    assert summary.exit_code == ExitCode.AUTH
     assert summary.result.stop_reason == "auth"
     assert len(server.log) <= 4  # slow start: a wrong key costs a handful of requests
     assert summary.counts[ItemState.PENDING] == 500
@@ -154,7 +155,7 @@ def test_retry_after_pauses_all_dispatch(ledger: Ledger, server: FakeOpenAIServe
     flipper.start()
     summary = run(ledger, job_id)
     flipper.join()
-    assert summary.exit_code == EXIT_OK
+    assert summary.exit_code == ExitCode.OK
     log = sorted(server.log, key=lambda r: r.received_at)
     first_429 = next(r for r in log if r.status == 429)
     during_pause = [r for r in log if first_429.received_at + 0.05 < r.received_at < first_429.received_at + 0.55]
@@ -178,10 +179,10 @@ def test_attempt_count_holds_across_runs(ledger: Ledger, server: FakeOpenAIServe
         return await task
 
     first = asyncio.run(stop_after_first_request())
-    assert first.exit_code == EXIT_TEMPFAIL
+    assert first.exit_code == ExitCode.TEMPFAIL
     assert [r.attempts for r in ledger.iter_items(job_id)] == [1]
     second = run(ledger, job_id)
-    assert second.exit_code == EXIT_SOME_FAILED
+    assert second.exit_code == ExitCode.SOME_FAILED
     assert server.requests_by_key()["k0"] == 4
 
 
@@ -200,13 +201,13 @@ def test_stop_puts_unsent_items_back_and_resume_finishes(
         return await task
 
     first = asyncio.run(stop_midway())
-    assert first.exit_code == EXIT_TEMPFAIL
+    assert first.exit_code == ExitCode.TEMPFAIL
     assert first.counts[ItemState.RUNNING] == 0
     done = first.counts[ItemState.SUCCEEDED]
     assert 40 <= done < 200
     assert done == len(server.log)  # in-flight requests were allowed to finish and were kept
     second = run(ledger, job_id)
-    assert second.exit_code == EXIT_OK
+    assert second.exit_code == ExitCode.OK
     assert set(server.requests_by_key().values()) == {1}
 
 
@@ -225,7 +226,7 @@ def test_outcomes_are_committed_in_batches(ledger: Ledger, server: FakeOpenAISer
         summary = run(ledger, job_id, options=RunOptions(flush_interval=0.2))
     finally:
         event.remove(ledger.engine, "commit", count)
-    assert summary.exit_code == EXIT_OK
+    assert summary.exit_code == ExitCode.OK
     assert commits < 60, commits  # claims + batched outcome writes, never one per item
 
 
@@ -247,7 +248,7 @@ def test_slots_handed_back_together_do_not_go_out_together(
         summary = run(ledger, job_id)
     finally:
         event.remove(ledger.engine, "commit", stall_once)
-    assert summary.exit_code == EXIT_OK
+    assert summary.exit_code == ExitCode.OK
     assert stalled.is_set()
     from batchrun.ledger.models import attempts
 
@@ -281,7 +282,7 @@ def test_the_pace_follows_a_provider_that_has_sped_up(
     started = time.monotonic()
     summary = run(ledger, job_id)
     took = time.monotonic() - started
-    assert summary.exit_code == EXIT_OK
+    assert summary.exit_code == ExitCode.OK
     # Paced by that history, sends would go at 1.2 x 20 slots / 10 s = 2.4/s. The pace is set
     # from this run's own answers only, once it has 50 of them.
     assert took < 10, took
@@ -306,7 +307,7 @@ def test_a_second_runner_on_the_same_job_is_refused(ledger: Ledger, server: Fake
 
     summary, err = asyncio.run(both())
     assert isinstance(err, JobLockedError) and "is being worked by run" in str(err)
-    assert summary.exit_code == EXIT_OK
+    assert summary.exit_code == ExitCode.OK
     assert set(server.requests_by_key().values()) == {1}
 
 
@@ -314,7 +315,7 @@ def test_model_override_and_base_url_forms(ledger: Ledger, server: FakeOpenAISer
     bare = server.base_url.removesuffix("/v1")
     spec = spec_for_batch_input(Overrides(base_url=bare, model="override-model"))
     job_id = prepare_job(ledger, spec, write_jsonl(batch_lines(3))).job_id
-    assert run(ledger, job_id).exit_code == EXIT_OK
+    assert run(ledger, job_id).exit_code == ExitCode.OK
     assert {rec.path for rec in server.log} == {"/v1/chat/completions"}
     rows = list(ledger.iter_items(job_id))
     assert {orjson.loads(r.response or "{}")["model"] for r in rows} == {"override-model"}
@@ -331,7 +332,7 @@ def test_hung_requests_are_cut_after_a_multiple_of_p99(
     job_id = prepare_job(ledger, spec, write_jsonl(batch_lines(600))).job_id
     started = time.monotonic()
     summary = run(ledger, job_id)
-    assert summary.exit_code == EXIT_OK
+    assert summary.exit_code == ExitCode.OK
     assert any(r.outcome == "hang" for r in server.log)
     assert time.monotonic() - started < 60  # never waited out the 120 s timeout
     with ledger.engine.connect() as conn:
@@ -357,7 +358,7 @@ def test_resume_knows_the_jobs_latency_from_the_ledger(
         started[0].request_stop("signal")
         return await task
 
-    assert asyncio.run(stop_after(80)).exit_code == EXIT_TEMPFAIL
+    assert asyncio.run(stop_after(80)).exit_code == ExitCode.TEMPFAIL
     server.faults = Faults(latency_s=0.005, p_hang=1.0)  # the resumed run's first request hangs
 
     sent_before = sum(server.requests_by_key().values())
@@ -373,7 +374,7 @@ def test_resume_knows_the_jobs_latency_from_the_ledger(
     started = time.monotonic()
     summary = run(ledger, job_id)
     healer.join()
-    assert summary.exit_code == EXIT_OK
+    assert summary.exit_code == ExitCode.OK
     assert any(r.outcome == "hang" for r in server.log)
     assert time.monotonic() - started < 30  # cut after ~0.5 s, not the 120 s timeout
 
@@ -387,7 +388,7 @@ def test_rpm_budget_paces_below_the_servers_limit(
     started = time.monotonic()
     summary = run(ledger, job_id)
     elapsed = time.monotonic() - started
-    assert summary.exit_code == EXIT_OK
+    assert summary.exit_code == ExitCode.OK
     # Over a minute the pace never trips the limit. Over one second the client never
     # sends 21 within 1.01 s, but this server runs in the test's process and shares its
     # GIL, so on a loaded machine a receive can be stamped more than 10 ms late and bunch
@@ -404,7 +405,7 @@ def test_tpm_budget_is_charged_from_usage(ledger: Ledger, server: FakeOpenAIServ
         line["body"]["max_tokens"] = 50  # type: ignore[index]
     job_id = submit(ledger, server, write_jsonl(lines), concurrency=16, tpm=6000)  # 100 tokens/s
     started = time.monotonic()
-    assert run(ledger, job_id).exit_code == EXIT_OK
+    assert run(ledger, job_id).exit_code == ExitCode.OK
     elapsed = time.monotonic() - started
     used = sum(r.prompt_tokens + r.completion_tokens for r in server.log)
     # Requests are admitted on an estimate (~100 tokens each) and settled on usage (~5 each),
@@ -424,14 +425,14 @@ def test_an_outage_pauses_and_stops_with_items_pending(
     job_id = prepare_job(ledger, spec, write_jsonl(batch_lines(100))).job_id
     started = time.monotonic()
     summary = run(ledger, job_id)
-    assert summary.exit_code == EXIT_TEMPFAIL
+    assert summary.exit_code == ExitCode.TEMPFAIL
     assert summary.result.stop_reason == "outage"
     assert time.monotonic() - started < 40
     assert summary.counts[ItemState.PENDING] == 100  # nothing failed for good
     assert len(server.log) < 100  # paused together, not hammered
     server.faults = Faults()
     again = run(ledger, job_id)
-    assert again.exit_code == EXIT_OK
+    assert again.exit_code == ExitCode.OK
     assert max(r.attempts for r in ledger.iter_items(job_id)) <= 3
 
 
@@ -462,5 +463,5 @@ def test_a_ledger_failure_mid_run_stops_promptly_with_a_clear_error(
     monkeypatch.setattr(ledger, "record", real_record)
     with ledger.engine.begin() as conn:  # the dead run's lock and leases are taken over
         conn.exec_driver_sql("update jobs set lock_heartbeat = 0")
-    assert run(ledger, job_id).exit_code == EXIT_OK
+    assert run(ledger, job_id).exit_code == ExitCode.OK
     assert max(server.ok_by_key().values()) <= 2

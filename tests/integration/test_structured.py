@@ -10,12 +10,13 @@ import orjson
 import pytest
 
 from batchrun.export import export_job
-from batchrun.jobs import EXIT_OK, EXIT_SOME_FAILED, RunSummary, prepare_job, revalidate_job, run_job
-from batchrun.ledger import ItemState, Ledger
+from batchrun.jobs import RunSummary, prepare_job, revalidate_job, run_job
+from batchrun.ledger import Ledger
 from batchrun.report import job_status
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, load_spec
 from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
 SCHEMA = {
@@ -78,7 +79,7 @@ def test_valid_fenced_and_prose_answers_are_parsed_without_reasking(
 ) -> None:
     server.faults = Faults(p_fenced=0.3, p_prose=0.3, seed=4)
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl, 60)
-    assert run(ledger, job_id).exit_code == EXIT_OK
+    assert run(ledger, job_id).exit_code == ExitCode.OK
     assert {"fenced", "prose"} <= {r.output_fault for r in server.log}
     assert set(server.requests_by_key().values()) == {1}
     sent = server.bodies[0]
@@ -95,7 +96,7 @@ def test_reask_with_feedback_fixes_the_answer(
 ) -> None:
     server.faults = Faults(p_schema_violation=1.0, output_faults_on_reask=False)
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl, 5)
-    assert run(ledger, job_id).exit_code == EXIT_OK
+    assert run(ledger, job_id).exit_code == ExitCode.OK
     assert set(server.requests_by_key().values()) == {2}
     reask = [b for b in server.bodies if len(b["messages"]) > 1][0]
     assert reask["messages"][-2]["role"] == "assistant"
@@ -122,7 +123,7 @@ def test_invalid_every_time_ends_invalid_output_with_raw_text_and_paths(
     server.faults = Faults(p_schema_violation=1.0)
     job_id = submit(ledger, make_spec(tmp_path, server, retries=2), write_jsonl, 4)
     summary = run(ledger, job_id)
-    assert summary.exit_code == EXIT_SOME_FAILED
+    assert summary.exit_code == ExitCode.SOME_FAILED
     assert summary.counts[ItemState.INVALID_OUTPUT] == 4
     assert set(server.requests_by_key().values()) == {3}  # 1 + validation_retries
     row = rows(ledger, job_id)["m0"]
@@ -143,7 +144,7 @@ def test_refusals_and_prose_are_classified(
 ) -> None:
     server.faults = Faults(**{f"p_{fault}": 1.0})  # type: ignore[arg-type]
     job_id = submit(ledger, make_spec(tmp_path, server, retries=1), write_jsonl, 3)
-    assert run(ledger, job_id).exit_code == EXIT_SOME_FAILED
+    assert run(ledger, job_id).exit_code == ExitCode.SOME_FAILED
     assert {r.error_class for r in rows(ledger, job_id).values()} == {error_class}  # type: ignore[attr-defined]
     assert set(server.requests_by_key().values()) == {requests}  # a refusal is not re-asked
 
@@ -152,10 +153,10 @@ def test_truncated_then_selective_retry_with_more_tokens(
     tmp_path: Path, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
 ) -> None:
     job_id = submit(ledger, make_spec(tmp_path, server, retries=0, max_tokens=3), write_jsonl, 6)
-    assert run(ledger, job_id).exit_code == EXIT_SOME_FAILED
+    assert run(ledger, job_id).exit_code == ExitCode.SOME_FAILED
     assert {r.error_class for r in rows(ledger, job_id).values()} == {"truncated"}  # type: ignore[attr-defined]
     assert ledger.retry(job_id, [ItemState.INVALID_OUTPUT], {"error_class": "truncated", "custom_id": "m1"}, max_tokens=400) == 1
-    assert run(ledger, job_id).exit_code == EXIT_SOME_FAILED
+    assert run(ledger, job_id).exit_code == ExitCode.SOME_FAILED
     state = rows(ledger, job_id)
     assert state["m1"].state == ItemState.SUCCEEDED  # type: ignore[attr-defined]
     assert server.bodies[-1]["max_tokens"] == 400

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.errors import EXIT_OK, EXIT_TEMPFAIL, JobNotFoundError
-from batchrun.ledger import ItemState, Ledger
+from batchrun.errors import JobNotFoundError
+from batchrun.ledger import Ledger
 from batchrun.spec import Overrides
 from batchrun.testing import FakeOpenAIServer, Faults
 from batchrun.worker import Worker, WorkerOptions
+from batchrun.states import ExitCode, ItemState
 
 from .test_scheduler import batch_lines, submit
 
@@ -54,7 +55,7 @@ def test_every_job_is_served_side_by_side(
         finally:
             watcher.cancel()
 
-    assert asyncio.run(go()) == EXIT_OK
+    assert asyncio.run(go()) == ExitCode.OK
     for job_id in (first, second):
         assert pg_ledger.counts(job_id)[ItemState.SUCCEEDED] == 400
     assert {first: 4, second: 4} in shares, "both jobs at once, the worker's slots split evenly"
@@ -76,6 +77,6 @@ def test_unknown_job_and_stop_with_work_left(
         asyncio.get_running_loop().call_later(1.0, worker.request_stop, "signal", "test")
         return (await worker.run()).exit_code
 
-    assert asyncio.run(go()) == EXIT_TEMPFAIL
+    assert asyncio.run(go()) == ExitCode.TEMPFAIL
     counts = pg_ledger.counts(job_id)
     assert counts[ItemState.RUNNING] == 0 and 0 < counts[ItemState.SUCCEEDED] < 2000

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from batchrun.ledger import ItemState, Ledger
+from batchrun.ledger import Ledger
+from batchrun.states import ItemState
 
 from .test_ledger import SPEC, make_job
 
