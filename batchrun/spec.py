@@ -102,6 +102,12 @@ class ProviderSpec:
     convert_openai_input: bool = False  # anthropic: accept OpenAI Batch lines and convert their bodies
 
 
+def _known_fields(kind: type, stored: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``stored`` that are fields of the dataclass ``kind`` (the rest take their defaults)."""
+    names = {f.name for f in dataclasses.fields(kind)}
+    return {key: value for key, value in stored.items() if key in names}
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     system: str | None = None
@@ -211,14 +217,16 @@ class JobSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "", path: str | None = None) -> JobSpec:
-        req = dict(data["request"])
+        """A spec as :meth:`to_dict` stored it, read tolerantly: a field a later version dropped is
+        ignored and one it added takes its default, so a job stored by any version still opens."""
+        req = _known_fields(RequestSpec, data.get("request", {}))
         req["messages"] = tuple(tuple(m) for m in req.get("messages", ()))
         return cls(
-            provider=ProviderSpec(**data["provider"]),
+            provider=ProviderSpec(**_known_fields(ProviderSpec, data.get("provider", {}))),
             request=RequestSpec(**req),
-            run=RunSpec(**data["run"]),
-            output=OutputSpec(**data.get("output", {})),
-            pricing=PricingSpec(**data.get("pricing", {})),
+            run=RunSpec(**_known_fields(RunSpec, data.get("run", {}))),
+            output=OutputSpec(**_known_fields(OutputSpec, data.get("output", {}))),
+            pricing=PricingSpec(**_known_fields(PricingSpec, data.get("pricing", {}))),
             name=data.get("name"),
             source=source,
             path=path,

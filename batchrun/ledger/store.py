@@ -256,10 +256,16 @@ _SQLITE_PUT_BACK = (
     f"UPDATE items SET {', '.join(f'{c} = ?' for c in _BACK_COLUMNS)}, state = 'pending', lease_owner = NULL, "
     "lease_expires = NULL, lease_claim = NULL " + _SQLITE_HELD
 )
-_CLAIMED_COLUMNS = (
-    items_t.c.id, items_t.c.custom_id, items_t.c.url, items_t.c.body, items_t.c.attempts, items_t.c.max_tokens,
-    items_t.c.followups, items_t.c.lease_claim,
-)  # in ClaimedItem's order
+
+
+def _item_columns(row_type: type, renamed: dict[str, str]) -> tuple[Any, ...]:
+    """The items columns behind each field of ``row_type``, in its order: rows are then built by name
+    (a field is its column, or the one ``renamed`` names), whatever the dataclass's order."""
+    return tuple(items_t.c[renamed.get(f.name, f.name)] for f in dataclasses.fields(row_type))
+
+
+_CLAIMED_COLUMNS = _item_columns(ClaimedItem, {"claim": "lease_claim"})
+_ITEM_ROW_COLUMNS = _item_columns(ItemRow, {"item_id": "id"})
 _SQLITE_PROGRESS = "UPDATE items SET followups = ? " + _SQLITE_HELD
 
 
@@ -929,21 +935,6 @@ class Ledger:
             for key, origin, status, response, output, parsed, request_id, tokens_in, tokens_out in rows
         }
 
-    def release(self, run_id: str, item_ids: Sequence[int]) -> None:
-        """Give leased items back (to pending) untouched."""
-        if not item_ids:
-            return
-        with self._write() as conn:
-            conn.execute(
-                update(items_t)
-                .where(
-                    items_t.c.id.in_(list(item_ids)),
-                    items_t.c.lease_owner == run_id,
-                    items_t.c.state == ItemState.RUNNING,
-                )
-                .values(state=ItemState.PENDING, lease_owner=None, lease_expires=None, lease_claim=None)
-            )
-
     def release_held(self, job_id: int, run_id: str) -> int:
         """Give back every item still leased to ``run_id`` (a run's end: nothing it claimed stays running)."""
         with self._write() as conn:
@@ -1342,26 +1333,7 @@ class Ledger:
 
     def iter_items(self, job_id: int, *, chunk: int = 2000) -> Iterator[ItemRow]:
         """Every item of the job in input order, read in bounded chunks."""
-        cols = [
-            items_t.c.line,
-            items_t.c.custom_id,
-            items_t.c.state,
-            items_t.c.attempts,
-            items_t.c.status_code,
-            items_t.c.response,
-            items_t.c.output,
-            items_t.c.request_id,
-            items_t.c.error_class,
-            items_t.c.error_message,
-            items_t.c.input_tokens,
-            items_t.c.output_tokens,
-            items_t.c.latency_ms,
-            items_t.c.parsed,
-            items_t.c.validation_errors,
-            items_t.c.id,
-            items_t.c.cost_usd,
-            items_t.c.cached_from,
-        ]
+        cols = _ITEM_ROW_COLUMNS
         if not self.is_sqlite:
             # One query through a server-side cursor: rows arrive ``chunk`` at a time. If the
             # session ends meanwhile (this process stalled mid-export past PostgreSQL's

@@ -147,3 +147,17 @@ def test_cache_is_on_by_default_off_by_spec_or_flag_and_not_part_of_identity(tmp
     assert JobSpec.from_dict(stored).run.cache is True
     with pytest.raises(SpecError, match="cache"):
         load_spec(write(tmp_path, GOOD + 'cache = "yes"\n'))
+
+
+def test_a_stored_spec_from_another_version_still_opens() -> None:
+    """A job's spec is stored once, when it is submitted; later versions read it back for status,
+    resume and export. Fields a later version dropped are ignored, fields it added take defaults."""
+    from batchrun.spec import JobSpec, Overrides, spec_for_batch_input
+
+    stored = spec_for_batch_input(Overrides(base_url="http://127.0.0.1:9/v1", model="m")).to_dict()
+    stored["provider"]["retired_option"] = True  # a field this version no longer has
+    del stored["run"]["cache"]  # a field an older version did not have yet
+    stored["request"].pop("messages")
+    stored.pop("pricing")
+    spec = JobSpec.from_dict(stored)
+    assert spec.provider.model == "m" and spec.run.cache is True and spec.request.messages == ()
