@@ -28,7 +28,7 @@ from batchrun.errors import (
     UsageError,
 )
 from batchrun.export import FORMATS, check_target, export_job
-from batchrun.ledger import Ledger, default_db_path, resolve_db_url
+from batchrun.ledger import RETRY_FILTERS, Ledger, default_db_path, resolve_db_url
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import PROVIDER_KINDS, Overrides, load_spec, spec_for_batch_input
 from batchrun.states import USER_RETRYABLE_STATES, ExitCode, ItemState, StopReason
@@ -720,7 +720,6 @@ def export_cmd(job: int, output: str, fmt: str, errors: str | None, force: bool,
         click.echo(f"errors: {result.errors_path} ({result.error_lines} lines)")
 
 
-WHERE_COLUMNS = ("error_class", "status_code", "custom_id")
 
 
 def _parse_where(expr: str | None) -> dict[str, Any]:
@@ -728,8 +727,8 @@ def _parse_where(expr: str | None) -> dict[str, Any]:
     for part in filter(None, (p.strip() for p in (expr or "").split(","))):
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or key not in WHERE_COLUMNS:
-            raise UsageError(f"--where {expr!r}: expected KEY=VALUE[,KEY=VALUE] with KEY one of {', '.join(WHERE_COLUMNS)}")
+        if not sep or key not in RETRY_FILTERS:
+            raise UsageError(f"--where {expr!r}: expected KEY=VALUE[,KEY=VALUE] with KEY one of {', '.join(RETRY_FILTERS)}")
         where[key] = int(value) if key == "status_code" and value.strip().isdigit() else value.strip()
     return where
 

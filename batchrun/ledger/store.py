@@ -52,6 +52,10 @@ from batchrun.spec import JobSpec
 from batchrun.states import ItemState, no_counts
 
 
+# What `batchrun retry --where` may narrow the items to send again by.
+RETRY_FILTERS = ("error_class", "status_code", "custom_id")
+
+
 @dataclass(frozen=True)
 class JobRecord:
     """A job as stored."""
@@ -953,10 +957,13 @@ class Ledger:
         """Send finished items in ``states`` back to pending with a fresh attempt budget.
 
         ``max_tokens`` is recorded on those items and replaces the spec's limit
-        for them (the job's spec stays as submitted).
+        for them (the job's spec stays as submitted). ``where`` narrows them by
+        the columns of RETRY_FILTERS (ValueError for any other).
         """
         cond = [items_t.c.job_id == job_id, items_t.c.state.in_(list(states))]
         for column, value in (where or {}).items():
+            if column not in RETRY_FILTERS:
+                raise ValueError(f"items cannot be chosen for a retry by {column!r}: only by {', '.join(RETRY_FILTERS)}")
             cond.append(items_t.c[column] == value)
         values: dict[str, Any] = {
             "state": ItemState.PENDING,

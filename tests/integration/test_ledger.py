@@ -257,6 +257,8 @@ def test_retry_and_cancel(ledger: Ledger) -> None:
         ],
         [],
     )
+    with pytest.raises(ValueError, match="only by error_class, status_code, custom_id"):
+        ledger.retry(job_id, [ItemState.FAILED], {"response": "x"})  # any column but the filters is refused
     assert ledger.retry(job_id, [ItemState.FAILED], {"error_class": "server_error"}) == 1
     rows = {r.custom_id: r for r in ledger.iter_items(job_id)}
     assert rows["c1"].state == ItemState.PENDING and rows["c1"].attempts == 0 and rows["c1"].error_class is None
