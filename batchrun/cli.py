@@ -118,19 +118,7 @@ def override_options(fn: F) -> F:
 
 
 def _overrides(kw: dict[str, Any]) -> Overrides:
-    return Overrides(
-        base_url=kw.get("base_url"),
-        model=kw.get("model"),
-        concurrency=kw.get("concurrency"),
-        max_attempts=kw.get("max_attempts"),
-        timeout=kw.get("timeout"),
-        rpm=kw.get("rpm"),
-        tpm=kw.get("tpm"),
-        max_runtime=kw.get("max_runtime"),
-        provider_kind=kw.get("provider_kind"),
-        budget_usd=kw.get("budget_usd"),
-        cache=False if kw.get("no_cache") else None,
-    )
+    return Overrides.from_flags({**kw, "cache": False if kw.get("no_cache") else None})
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]

@@ -14,6 +14,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -151,6 +152,9 @@ class RunSpec:
         return self.lease_seconds / 2
 
 
+RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(RunSpec))
+
+
 @dataclass(frozen=True)
 class OutputSpec:
     """Structured output: the JSON Schema answers must match, and how often to re-ask."""
@@ -171,21 +175,52 @@ class PricingSpec:
     cached_input_per_million: float | None = None
 
 
-@dataclass(frozen=True)
 class Overrides:
-    """Run-time flags that win over the spec (``--base-url``, ``--model``, ...)."""
+    """Run-time flags that win over the spec: ``--base-url``, ``--model``, and any ``[run]`` field
+    by its name (``concurrency=64``, ``rpm=600``, ...). ``None`` means "not given: the spec decides".
 
-    base_url: str | None = None
-    model: str | None = None
-    provider_kind: str | None = None  # only for a job without a SPEC (input in a provider's batch form)
-    concurrency: int | None = None
-    max_attempts: int | None = None
-    timeout: float | None = None
-    rpm: float | None = None
-    tpm: float | None = None
-    max_runtime: float | None = None
-    budget_usd: float | None = None
-    cache: bool | None = None
+    A new run-time override is one click option whose name is the ``[run]`` field's.
+    """
+
+    __slots__ = ("base_url", "model", "provider_kind", "run")
+
+    def __init__(
+        self,
+        *,
+        base_url: str | None = None,
+        model: str | None = None,
+        provider_kind: str | None = None,  # only for a job without a SPEC (input in a provider's batch form)
+        **run: Any,
+    ) -> None:
+        unknown = sorted(set(run) - RUN_FIELDS)
+        if unknown:
+            raise TypeError(f"not a [run] field: {', '.join(unknown)}")
+        self.base_url = base_url
+        self.model = model
+        self.provider_kind = provider_kind
+        self.run: Mapping[str, Any] = MappingProxyType({k: v for k, v in run.items() if v is not None})
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any]) -> Overrides:
+        """The overrides among a command's parsed flags (a flag named like a ``[run]`` field is one)."""
+        return cls(
+            base_url=flags.get("base_url"),
+            model=flags.get("model"),
+            provider_kind=flags.get("provider_kind"),
+            **{name: flags[name] for name in RUN_FIELDS if flags.get(name) is not None},
+        )
+
+    def without(self, *names: str) -> Overrides:
+        """These overrides less the named ``[run]`` fields (a worker's own flags are not per job)."""
+        run = {k: v for k, v in self.run.items() if k not in names}
+        return Overrides(base_url=self.base_url, model=self.model, provider_kind=self.provider_kind, **run)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Overrides) and all(getattr(self, n) == getattr(other, n) for n in self.__slots__)
+
+    def __repr__(self) -> str:
+        given = {n: getattr(self, n) for n in ("base_url", "model", "provider_kind") if getattr(self, n) is not None}
+        return f"Overrides({', '.join(f'{k}={v!r}' for k, v in {**given, **self.run}.items())})"
 
 
 @dataclass(frozen=True)
@@ -252,15 +287,10 @@ class JobSpec:
                 model=overrides.model or provider.model,
             )
         run = self.run
-        changes = {
-            k: getattr(overrides, k)
-            for k in ("concurrency", "max_attempts", "timeout", "rpm", "tpm", "max_runtime", "budget_usd", "cache")
-            if getattr(overrides, k) is not None
-        }
-        if overrides.budget_usd is not None:
-            _check_budget(overrides.budget_usd, "--budget-usd")
-        if changes:
-            run = dataclasses.replace(run, **changes)
+        if overrides.run.get("budget_usd") is not None:
+            _check_budget(overrides.run["budget_usd"], "--budget-usd")
+        if overrides.run:
+            run = dataclasses.replace(run, **overrides.run)
             _check_run(run, "command line")
         return dataclasses.replace(self, provider=provider, run=run)
 

@@ -106,7 +106,7 @@ class Worker:
         self.ledger = ledger
         self.job_ids = sorted(set(job_ids)) if job_ids else None
         # The worker's own --concurrency and --max-runtime are worker-wide, not per job.
-        self.overrides = dataclasses.replace(overrides or Overrides(), concurrency=None, max_runtime=None)
+        self.overrides = (overrides or Overrides()).without("concurrency", "max_runtime")
         self.options = options or WorkerOptions()
         self.stats = WorkerStats()
         self.runners: dict[int, JobRunner] = {}

@@ -161,3 +161,17 @@ def test_a_stored_spec_from_another_version_still_opens() -> None:
     stored.pop("pricing")
     spec = JobSpec.from_dict(stored)
     assert spec.provider.model == "m" and spec.run.cache is True and spec.request.messages == ()
+
+
+def test_any_run_field_is_an_override_by_its_name() -> None:
+    """One resolution: a flag named like a [run] field overrides it, with no list to keep in step."""
+    spec = spec_for_batch_input(Overrides(base_url="http://127.0.0.1:1", model="m"))
+    flags = {"grace_seconds": 7.0, "outage_seconds": 9.0, "concurrency": None, "quiet": True, "model": "m2"}
+    over = Overrides.from_flags(flags)
+    assert over == Overrides(model="m2", grace_seconds=7.0, outage_seconds=9.0)
+    changed = spec.with_overrides(over)
+    assert (changed.run.grace_seconds, changed.run.outage_seconds, changed.provider.model) == (7.0, 9.0, "m2")
+    assert changed.run.concurrency == spec.run.concurrency  # None: not given, the spec decides
+    assert over.without("grace_seconds").run == {"outage_seconds": 9.0}
+    with pytest.raises(TypeError, match="not a \\[run\\] field: colour"):
+        Overrides(colour="red")
