@@ -24,6 +24,7 @@ from batchrun import interrupt
 from batchrun.errors import (
     BatchrunError,
     ExportWriteError,
+    LedgerWriteError,
     StoppedError,
     UsageError,
 )
@@ -65,8 +66,21 @@ def handle_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except BatchrunError as exc:
             _fail(exc)
+        except Exception as exc:
+            if not _is_database_error(exc):
+                raise
+            # The database went away past what a command rides out (a PostgreSQL restart during an
+            # export, a full disk): what was committed is safe, the command can simply be run again.
+            first_line = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            _fail(LedgerWriteError(f"the ledger failed: {first_line}; nothing committed is lost: "
+                                   "run the same command again when the database is back"))
 
     return wrapper  # type: ignore[return-value]
+
+
+def _is_database_error(exc: BaseException) -> bool:
+    """An error of the database layer (checked by module, so no command imports SQLAlchemy for it)."""
+    return type(exc).__module__.split(".")[0] in ("sqlalchemy", "psycopg", "sqlite3")
 
 
 db_option = click.option(

@@ -770,6 +770,22 @@ class Round:
         counts = {s: int(n) for s, n in states}
         return Snapshot(counts, sum(counts.values()), bool(job[0][0]), job[0][1])
 
+    def took_lock_before(self, taker: Proc, holder: Proc) -> bool:
+        """Whether ``taker`` took the job lock (started a run) before ``holder``'s last run ended:
+        a process still starting up when the frozen one woke took nothing over."""
+        assert self.db is not None
+        taken = self.db.rows(f"SELECT MIN(started_at) FROM runs WHERE job_id = {JOB_ID} AND pid = {taker.popen.pid}")
+        ended = self.db.rows(f"SELECT MAX(ended_at) FROM runs WHERE job_id = {JOB_ID} AND pid = {holder.popen.pid}")
+        if not taken or taken[0][0] is None:
+            return False
+        return not ended or ended[0][0] is None or float(taken[0][0]) < float(ended[0][0])
+
+    def never_started(self, proc: Proc) -> bool:
+        """Whether ``proc`` left no trace in the ledger (no run, no lock)."""
+        assert self.db is not None
+        runs = self.db.rows(f"SELECT COUNT(*) FROM runs WHERE pid = {proc.popen.pid}")
+        return runs is not None and int(runs[0][0]) == 0
+
     def reask_count(self) -> int:
         assert self.db is not None
         classes = ", ".join(f"'{c}'" for c in REASK_CLASSES)
@@ -963,7 +979,7 @@ class Round:
             took = f"{proc.name} exit {proc.code} {time.monotonic() - woke:.1f}s after SIGCONT"
             if proc.code == 75:
                 self.result.takeovers += 1
-            if proc.code != 75 and other.alive() and held_lock:
+            if proc.code != 75 and held_lock and self.took_lock_before(other, proc):
                 self.problem(f"{proc.name} {proc.command}, frozen {woke - t0:.1f}s while {other.name} submit took the job "
                              f"over, exited {proc.code} after SIGCONT (expected 75)")
         elif not other.alive():
@@ -1053,6 +1069,8 @@ class Round:
             code = proc.code
             if code == -signal.SIGKILL and "SIGKILL" in proc.signals:
                 continue
+            if code == -signal.SIGTERM and "SIGTERM" in proc.signals and not err and self.never_started(proc):
+                continue  # ended by the signal's default action before Python had started batchrun
             allowed = (0,) if proc.command in ("export", "status") else RUN_EXITS
             if code not in allowed:
                 why = "undocumented exit code" if code not in DOCUMENTED_EXITS else "unexpected exit code"
