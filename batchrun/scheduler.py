@@ -63,7 +63,7 @@ from batchrun.errors import (
     RateLimitedError,
     RetryableError,
 )
-from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Ledger, Outcome
+from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Ledger, LedgerQueries, Outcome
 from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out
 from batchrun.providers import Provider, Reply, make_client, send
 from batchrun.providers.base import PreparedRequest, RateLimits
@@ -309,8 +309,8 @@ class JobRunner:
             if orphans:
                 log.info("put %d items left running by an earlier run back to pending", orphans)
             if self.spend_budget is not None:
-                self.spend_budget.spent = await self._ledger(self.ledger.spent_usd, self.job.id)
-            for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, 2000):
+                self.spend_budget.spent = await self._ledger(LedgerQueries(self.ledger.engine).spent_usd, self.job.id)
+            for seconds in await self._ledger(LedgerQueries(self.ledger.engine).recent_latencies, self.job.id, 2000):
                 self._note_latency(seconds, from_history=True)
             owns_client = self._client is None
             if self._client is None:

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 from batchrun.errors import BatchrunError, LedgerWriteError, UsageError
 from batchrun.jobs import effective_spec
-from batchrun.ledger import Ledger
+from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions
@@ -284,7 +284,7 @@ class Worker:
             self.runners.pop(job_id, None)
             self._rebalance()
             self.stats.done.update(runner.stats.done)
-        counts = await self._call(self.ledger.counts, job_id)
+        counts = await self._call(LedgerQueries(self.ledger.engine).counts, job_id)
         code = exit_code_for(counts, result.stop_reason, ingest_done=job.ingest_done)
         await self._call(self.ledger.end_run, job_id, result.run_id, code)
         if result.stop_reason in (StopReason.AUTH, StopReason.OUTAGE, StopReason.ERROR, StopReason.BUDGET):
