@@ -22,8 +22,7 @@ from batchrun.errors import (
     UsageError,
 )
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
-from batchrun.ledger import JobRecord, Ledger, LedgerQueries
-from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out_sync
+from batchrun.ledger import JobRecord, Ledger, LedgerQueries, ride_out
 from batchrun.pricing import Price, price_for
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
@@ -245,10 +244,7 @@ def _ingest_locked(
             code = ExitCode.OK
             return None
         stats = ingest(ledger, job_id, path, builder, run_id=run_id, on_batch=on_batch, should_stop=should_stop)
-        ride_out_sync(
-            lambda: ledger.finish_ingest(job_id, run_id=run_id),
-            for_seconds=0.0 if ledger.is_sqlite else LEDGER_RETRY_SECONDS, what="ingest",
-        )
+        ride_out(ledger, lambda: ledger.finish_ingest(job_id, run_id=run_id), what="ingest")
         code = ExitCode.OK
     finally:
         ledger.end_run(job_id, run_id, code)

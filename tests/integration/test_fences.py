@@ -19,8 +19,7 @@ from sqlalchemy.exc import OperationalError
 from batchrun.errors import JobLockedError, LockLostError
 from batchrun.ingest import INSERT_BATCH
 from batchrun.jobs import prepare_job
-from batchrun.ledger import AttemptRecord, Ledger, LedgerQueries, Outcome
-from batchrun.ledger.reconnect import ride_out
+from batchrun.ledger import AsyncLedger, AttemptRecord, Ledger, LedgerQueries, Outcome
 from batchrun.states import ItemState
 
 from .test_ingest import BATCH_SPEC, batch_line
@@ -170,12 +169,13 @@ def test_a_replayed_write_counts_once(pg_url: str) -> None:
                 error.connection_invalidated = True
                 raise error
 
-        async def write() -> None:
-            await ride_out(lambda: _in_thread(record_then_lose_the_ack), for_seconds=5, what="record")
-
         import asyncio
 
-        asyncio.run(write())
+        aledger = AsyncLedger(ledger, ride_out_seconds=5)
+        try:
+            asyncio.run(aledger.call(record_then_lose_the_ack))
+        finally:
+            aledger.close()
         assert calls == 2
         with ledger.engine.connect() as conn:
             n, spent = conn.execute(
@@ -186,12 +186,6 @@ def test_a_replayed_write_counts_once(pg_url: str) -> None:
         assert (row.state, row.attempts) == (ItemState.SUCCEEDED, 2)
     finally:
         ledger.close()
-
-
-async def _in_thread(fn: Callable[[], None]) -> None:
-    import asyncio
-
-    await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
 @pytest.mark.postgres
@@ -229,7 +223,7 @@ def test_deadlocks_are_retried(pg_url: str) -> None:
     not a crash of the run. A real deadlock between two connections here."""
     import threading
 
-    from batchrun.ledger.reconnect import is_transient
+    from batchrun.ledger.facade import is_transient
 
     ledger = Ledger.open(pg_url)
     try:
