@@ -29,7 +29,7 @@ from batchrun.errors import (
     UsageError,
 )
 from batchrun.export import FORMATS, check_target, export_job
-from batchrun.ledger import RETRY_FILTERS, Ledger, default_db_path, resolve_db_url
+from batchrun.ledger import RETRY_FILTERS, Ledger, LedgerQueries, default_db_path, resolve_db_url
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import PROVIDER_KINDS, Overrides, load_spec, spec_for_batch_input
 from batchrun.states import USER_RETRYABLE_STATES, ExitCode, ItemState, StopReason
@@ -197,7 +197,7 @@ def _work(
     from batchrun.progress import show_progress
     from batchrun.scheduler import RunOptions
 
-    counts = ledger.counts(job_id)
+    counts = LedgerQueries(ledger.engine).counts(job_id)
     todo = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
 
     async def go() -> RunSummary:
@@ -308,7 +308,7 @@ def _stop_point(job_id: int | None = None, *, ledger: Ledger | None = None, as_j
         raise StoppedError(f"stopped by {name} before the job was stored (nothing was sent); "
                            "run the same command again to carry on")
     if as_json and ledger is not None:
-        counts = ledger.counts(job_id)
+        counts = LedgerQueries(ledger.engine).counts(job_id)
         click.echo(orjson.dumps({"job_id": job_id, "total": sum(counts.values()), "counts": counts,
                                  "exit_code": ExitCode.TEMPFAIL, "stop_reason": StopReason.SIGNAL, "output": None}).decode())
     raise StoppedError(f"stopped by {name} before the run started; carry on with: batchrun resume {job_id}")
@@ -348,7 +348,7 @@ def _finish(
         if unwritten is not None:
             exit_code = unwritten.exit_code
     counts = summary.counts
-    cached = ledger.cached_count(summary.job_id)
+    cached = LedgerQueries(ledger.engine).cached_count(summary.job_id)
     if as_json:
         click.echo(
             orjson.dumps(
@@ -460,7 +460,7 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
                 click.echo(f"batchrun: carrying on job {prepared.job_id} (same spec and input)", err=True)
         if no_run:
             if as_json:
-                counts = ledger.counts(prepared.job_id)
+                counts = LedgerQueries(ledger.engine).counts(prepared.job_id)
                 click.echo(orjson.dumps({"job_id": prepared.job_id, "total": sum(counts.values()), "counts": counts}).decode())
             return
         _stop_point(prepared.job_id, ledger=ledger, as_json=as_json)

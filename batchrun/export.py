@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from batchrun.errors import ExportError, ExportWriteError, StoppedError
-from batchrun.ledger import ItemRow, Ledger
+from batchrun.ledger import ItemRow, Ledger, LedgerQueries
 from batchrun.jsonutil import json_or_none
 from batchrun.states import ERROR_STATES, ItemState
 
@@ -331,10 +331,11 @@ def export_job(
     if errors_path:
         check_target(ledger, job_id, errors_path, force=force)
 
-    shadowed = ledger.shadowed_rejections(job_id)
+    queries = LedgerQueries(ledger.engine)
+    shadowed = queries.shadowed_rejections(job_id)
 
     def main_lines() -> Iterable[dict[str, Any]]:
-        for row in ledger.iter_items(job_id):
+        for row in queries.iter_items(job_id):
             if row.item_id in shadowed:
                 continue  # its custom_id belongs to another line; it is listed in the errors file
             if fmt == "results":
@@ -362,5 +363,5 @@ def export_job(
     lines = write(path, fmt, main_lines())
     error_lines = 0
     if errors_path:
-        error_lines = write(errors_path, "errors", (errors_line(r) for r in ledger.iter_items(job_id) if r.state in ERROR_STATES))
+        error_lines = write(errors_path, "errors", (errors_line(r) for r in queries.iter_items(job_id) if r.state in ERROR_STATES))
     return ExportResult(path, lines, errors_path, error_lines)

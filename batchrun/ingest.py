@@ -18,8 +18,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from batchrun.errors import InputError, StoppedError
-from batchrun.ledger import Ledger
-from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out_sync
+from batchrun.ledger import Ledger, ride_out
 from batchrun.providers import Provider
 from batchrun.spec import JobSpec, Template, TemplateFieldError
 from batchrun.states import ItemState
@@ -244,7 +243,6 @@ def ingest(
     stats = IngestStats()
     max_bytes = builder.spec.run.max_line_bytes
     renew_every = builder.spec.run.lock_stale_seconds / 4
-    retry_for = 0.0 if ledger.is_sqlite else LEDGER_RETRY_SECONDS
     start_after = ledger.last_ingested_line(job_id)
     batch: list[dict[str, Any]] = []
     written_at = time.monotonic()
@@ -256,9 +254,7 @@ def ingest(
     def flush() -> None:
         nonlocal written_at
         # A batch written again after a lost connection changes nothing more (each line is stored once).
-        taken = ride_out_sync(
-            lambda: ledger.insert_items(job_id, batch, run_id=run_id), for_seconds=retry_for, what="ingest"
-        )
+        taken = ride_out(ledger, lambda: ledger.insert_items(job_id, batch, run_id=run_id), what="ingest")
         written_at = time.monotonic()
         stats.accepted -= len(taken)
         stats.rejected += len(taken)

@@ -22,8 +22,7 @@ from batchrun.errors import (
     UsageError,
 )
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
-from batchrun.ledger import JobRecord, Ledger
-from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out_sync
+from batchrun.ledger import JobRecord, Ledger, LedgerQueries, ride_out
 from batchrun.pricing import Price, price_for
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
@@ -245,10 +244,7 @@ def _ingest_locked(
             code = ExitCode.OK
             return None
         stats = ingest(ledger, job_id, path, builder, run_id=run_id, on_batch=on_batch, should_stop=should_stop)
-        ride_out_sync(
-            lambda: ledger.finish_ingest(job_id, run_id=run_id),
-            for_seconds=0.0 if ledger.is_sqlite else LEDGER_RETRY_SECONDS, what="ingest",
-        )
+        ride_out(ledger, lambda: ledger.finish_ingest(job_id, run_id=run_id), what="ingest")
         code = ExitCode.OK
     finally:
         ledger.end_run(job_id, run_id, code)
@@ -310,7 +306,7 @@ async def run_job(
     if on_start:
         on_start(runner)
     result = await runner.run()
-    counts = ledger.counts(job_id)
+    counts = LedgerQueries(ledger.engine).counts(job_id)
     code = exit_code_for(counts, result.stop_reason, ingest_done=ledger.get_job(job_id).ingest_done)
     ledger.end_run(job_id, result.run_id, code)
     return RunSummary(job_id, code, counts, result)
@@ -340,7 +336,7 @@ def revalidate_job(ledger: Ledger, job_id: int, schema: Mapping[str, Any] | None
     to_succeeded: list[str] = []
     to_invalid: list[str] = []
     checked = skipped = 0
-    for row in ledger.iter_items(job_id):
+    for row in LedgerQueries(ledger.engine).iter_items(job_id):
         if row.state not in (ItemState.SUCCEEDED, ItemState.INVALID_OUTPUT):
             continue
         if row.error_class in ("truncated", "refusal") or row.output is None:

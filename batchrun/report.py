@@ -1,7 +1,7 @@
 """Summaries from the ledger: counts by state, throughput, latency percentiles, tokens, cost, errors.
 
-Every figure comes from an aggregate query (see the reports block of
-:class:`~batchrun.ledger.Ledger`): percentiles are nearest-rank, computed by
+Every figure comes from an aggregate query (see
+:class:`~batchrun.ledger.LedgerQueries`): percentiles are nearest-rank, computed by
 the database, so a job of millions of items is never read into memory.
 
 - :func:`job_status` — the ``status --json`` object;
@@ -29,8 +29,7 @@ from rich.text import Text
 from batchrun.errors import ExportError
 from batchrun.budget import budget_status
 from batchrun.export import write_atomic
-from batchrun.ledger import Ledger
-from batchrun.ledger.store import AttemptTotals, Distribution, ErrorGroup
+from batchrun.ledger import AttemptTotals, Distribution, ErrorGroup, Ledger, LedgerQueries
 from batchrun.states import FINISHED_STATES, ItemState
 
 PERCENTILES = (50, 90, 99)
@@ -71,11 +70,12 @@ def job_status(ledger: Ledger, job_id: int) -> dict[str, Any]:
 
 def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Distribution], AttemptTotals]:
     job = ledger.get_job(job_id)
-    counts = ledger.counts(job_id)
-    cached = ledger.cached_count(job_id)
-    totals = ledger.attempt_totals(job_id)
-    by_class = ledger.errors_by_class(job_id)
-    per_item = ledger.requests_per_item(job_id)
+    queries = LedgerQueries(ledger.engine)
+    counts = queries.counts(job_id)
+    cached = queries.cached_count(job_id)
+    totals = queries.attempt_totals(job_id)
+    by_class = queries.errors_by_class(job_id)
+    per_item = queries.requests_per_item(job_id)
     total = sum(counts.values())
     finished = sum(counts[s] for s in FINISHED_STATES)
     first, last = totals.first_started_at, totals.last_started_at
@@ -87,7 +87,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
     remaining = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
     worked = answered + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
     histogram = {"0": total - sum(per_item.values())} | {str(n): per_item[n] for n in sorted(per_item)}
-    dists = {m: ledger.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
+    dists = {m: queries.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
     data = {
         "job_id": job.id,
         "name": job.name,
@@ -114,7 +114,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "errors": {str(g.key): g.items for g in by_class if g.items},
         "attempt_errors": {str(g.key): g.attempts for g in by_class if g.attempts},
         "errors_by_class": _groups(by_class),
-        "errors_by_status": _groups(ledger.errors_by_status(job_id)),
+        "errors_by_status": _groups(queries.errors_by_status(job_id)),
         "attempts_histogram": histogram,
         "as_of": time.time(),
     }
@@ -131,7 +131,7 @@ def nice_step(raw: float) -> float:
     return 10.0 ** (exponent + 1)  # pragma: no cover - the loop always returns
 
 
-def latency_histogram(ledger: Ledger, job_id: int, dist: Distribution, bins: int = 30) -> dict[str, Any] | None:
+def latency_histogram(queries: LedgerQueries, job_id: int, dist: Distribution, bins: int = 30) -> dict[str, Any] | None:
     """Answered requests per latency bucket, with a round bucket width.
 
     A long tail (the slowest request over 1.5 x P99) goes into one overflow
@@ -146,7 +146,7 @@ def latency_histogram(ledger: Ledger, job_id: int, dist: Distribution, bins: int
     n = math.floor((high - low) / width) + 1
     counts = [0] * n
     overflow = 0
-    for bucket, count in ledger.attempt_histogram(job_id, "latency_ms", low, width).items():
+    for bucket, count in queries.attempt_histogram(job_id, "latency_ms", low, width).items():
         if bucket < n:
             counts[max(bucket, 0)] += count
         else:
@@ -154,16 +154,16 @@ def latency_histogram(ledger: Ledger, job_id: int, dist: Distribution, bins: int
     return {"low_ms": low, "width_ms": width, "counts": counts, "overflow": overflow, "overflow_from_ms": low + n * width}
 
 
-def throughput_timeline(ledger: Ledger, job_id: int, start: float | None, intervals: int = 40) -> dict[str, Any] | None:
+def throughput_timeline(queries: LedgerQueries, job_id: int, start: float | None, intervals: int = 40) -> dict[str, Any] | None:
     """Items that succeeded per time interval, from the job's first request to its last success."""
-    n_ok, first, last = ledger.succeeded_span(job_id)
+    n_ok, first, last = queries.succeeded_span(job_id)
     if not n_ok or first is None or last is None:
         return None
     start = min(start, first) if start is not None else first
     width = nice_step(max((last - start) / intervals, 0.01))
     n = math.floor((last - start) / width) + 1
     counts = [0] * n
-    for bucket, count in ledger.succeeded_per_interval(job_id, start, width).items():
+    for bucket, count in queries.succeeded_per_interval(job_id, start, width).items():
         counts[min(max(bucket, 0), n - 1)] += count
     return {"start": start, "width_s": width, "counts": counts}
 
@@ -171,8 +171,9 @@ def throughput_timeline(ledger: Ledger, job_id: int, start: float | None, interv
 def job_report(ledger: Ledger, job_id: int) -> dict[str, Any]:
     """:func:`job_status` plus the latency histogram and throughput over time of the report."""
     data, dists, totals = _status(ledger, job_id)
-    data["latency_histogram"] = latency_histogram(ledger, job_id, dists["latency_ms"])
-    data["throughput_timeline"] = throughput_timeline(ledger, job_id, totals.first_started_at)
+    queries = LedgerQueries(ledger.engine)
+    data["latency_histogram"] = latency_histogram(queries, job_id, dists["latency_ms"])
+    data["throughput_timeline"] = throughput_timeline(queries, job_id, totals.first_started_at)
     return data
 
 
@@ -215,10 +216,11 @@ def compare_jobs(ledger: Ledger, job_a: int, job_b: int, *, examples: int = 5) -
     spec_a, spec_b = ledger.get_job(job_a).spec, ledger.get_job(job_b).spec
     status_a, status_b = job_status(ledger, job_a), job_status(ledger, job_b)
     column = "parsed" if spec_a.output.schema is not None and spec_b.output.schema is not None else "output"
-    shared = ledger.shared_outputs(job_a, job_b)
+    queries = LedgerQueries(ledger.engine)
+    shared = queries.shared_outputs(job_a, job_b)
     differ = 0
     shown: list[str] = []
-    for custom_id, value_a, value_b in ledger.iter_output_differences(job_a, job_b, column):
+    for custom_id, value_a, value_b in queries.iter_output_differences(job_a, job_b, column):
         if column == "parsed" and not _parsed_differ(value_a, value_b):
             continue
         differ += 1

@@ -41,7 +41,6 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -63,8 +62,8 @@ from batchrun.errors import (
     RateLimitedError,
     RetryableError,
 )
-from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Ledger, Outcome
-from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out
+from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Ledger, LedgerQueries, Outcome
+from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger
 from batchrun.providers import Provider, Reply, make_client, send
 from batchrun.providers.base import PreparedRequest, RateLimits
 from batchrun.pricing import Price, price_for
@@ -186,7 +185,7 @@ class JobRunner:
         self._stop = asyncio.Event()
         self._stop_reason: StopReason | None = None
         self._stop_message: str | None = None
-        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-ledger")
+        self._db = AsyncLedger(ledger, ride_out_seconds=self.options.ledger_retry_seconds)
         self._outcomes: list[Outcome] = []
         self._attempts: list[AttemptRecord] = []
         self._flush_now = asyncio.Event()
@@ -212,7 +211,9 @@ class JobRunner:
         self._working: dict[int, _ItemWork] = {}  # claimed items without an outcome yet, by id
         self._attempt_seq = 0
         self._claims = 0
-        self._bucket_db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-bucket")
+        self._bucket_db = AsyncLedger(
+            ledger, ride_out_seconds=self.options.ledger_retry_seconds, thread_name="batchrun-bucket"
+        )
         self.request_budget = self._budget("requests", spec.run.rpm)
         self.request_window = RequestWindow(spec.run.rpm) if spec.run.rpm > 0 else None
         self.token_budget = self._budget("tokens", spec.run.tpm)
@@ -264,14 +265,10 @@ class JobRunner:
             self.pacer.follow(list(self._latencies), self.controller.limit)
 
     async def _ledger(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self._on_thread(self._db, fn, *args)
+        return await self._db.call(fn, *args)
 
-    async def _on_thread(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        retry_for = 0.0 if self.ledger.is_sqlite else self.options.ledger_retry_seconds
-        return await ride_out(
-            lambda: loop.run_in_executor(pool, fn, *args), for_seconds=retry_for, what=getattr(fn, "__name__", "ledger")
-        )
+    async def _on_thread(self, thread: AsyncLedger, fn: Callable[..., T], *args: Any) -> T:
+        return await thread.call(fn, *args)
 
     def _budget(self, kind: str, per_minute: float) -> TokenBucket | SharedTokenBucket | None:
         """The run's budget: the job's shared one on PostgreSQL (several workers), else this process's own."""
@@ -309,8 +306,8 @@ class JobRunner:
             if orphans:
                 log.info("put %d items left running by an earlier run back to pending", orphans)
             if self.spend_budget is not None:
-                self.spend_budget.spent = await self._ledger(self.ledger.spent_usd, self.job.id)
-            for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, 2000):
+                self.spend_budget.spent = await self._ledger(LedgerQueries(self.ledger.engine).spent_usd, self.job.id)
+            for seconds in await self._ledger(LedgerQueries(self.ledger.engine).recent_latencies, self.job.id, 2000):
                 self._note_latency(seconds, from_history=True)
             owns_client = self._client is None
             if self._client is None:
@@ -349,8 +346,8 @@ class JobRunner:
                 f"resume job {self.job.id} when the database is back"
             ) from exc
         finally:
-            self._db.shutdown(wait=True)
-            self._bucket_db.shutdown(wait=True)
+            self._db.close()
+            self._bucket_db.close()
         if self._crash is not None:
             raise self._crash
         return RunResult(self.run_id, self._stop_reason, self._stop_message)

@@ -35,22 +35,18 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from batchrun.errors import BatchrunError, LedgerWriteError, UsageError
 from batchrun.jobs import effective_spec
-from batchrun.ledger import Ledger
-from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out
+from batchrun.ledger import LEDGER_RETRY_SECONDS, AsyncLedger, Ledger, LedgerQueries
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides
 from batchrun.states import ExitCode, StopReason, exit_code_for
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 DEFAULT_CONCURRENCY = 32
 
@@ -117,7 +113,9 @@ class Worker:
         self._wake = asyncio.Event()
         self._stop_reason: StopReason | None = None
         self._stop_message: str | None = None
-        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-worker")
+        self._db = AsyncLedger(
+            ledger, ride_out_seconds=self.options.ledger_retry_seconds, thread_name="batchrun-worker"
+        )
 
     # -- control ------------------------------------------------------------
 
@@ -141,14 +139,6 @@ class Worker:
         """The longest grace period of the jobs being worked (what a stop may take)."""
         return max((r.spec.run.grace_seconds for r in self.runners.values()), default=0.0)
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await ride_out(
-            lambda: loop.run_in_executor(self._db, fn, *args),
-            for_seconds=self.options.ledger_retry_seconds,
-            what=getattr(fn, "__name__", "ledger"),
-        )
-
     # -- the loop -----------------------------------------------------------
 
     async def run(self) -> WorkerResult:
@@ -156,7 +146,7 @@ class Worker:
         deadline = None
         try:
             for job_id in self.job_ids or ():
-                await self._call(self.ledger.get_job, job_id)
+                await self._db.call(self.ledger.get_job, job_id)
             if self.options.max_runtime > 0:
                 deadline = asyncio.get_running_loop().call_later(
                     self.options.max_runtime,
@@ -192,7 +182,7 @@ class Worker:
         finally:
             if deadline is not None:
                 deadline.cancel()
-            self._db.shutdown(wait=False)
+            self._db.close(wait=False)
         return WorkerResult(code, self._stop_reason, self._stop_message, tuple(sorted(self._worked)), dict(self.stats.done))
 
     async def _drain(self) -> None:
@@ -201,10 +191,10 @@ class Worker:
 
     async def _poll(self) -> None:
         while not self.stopping:
-            swept = await self._call(self.ledger.requeue_expired_jobs, self.job_ids)
+            swept = await self._db.call(self.ledger.requeue_expired_jobs, self.job_ids)
             if swept:
                 log.warning("put %d items whose lease expired (their worker is gone) back to pending", swept)
-            open_jobs = await self._call(self.ledger.open_jobs, self.job_ids)
+            open_jobs = await self._db.call(self.ledger.open_jobs, self.job_ids)
             now = time.monotonic()
             for job_id, has_pending in open_jobs:
                 if has_pending and job_id not in self._tasks and self._backoff.get(job_id, 0.0) <= now:
@@ -245,7 +235,7 @@ class Worker:
 
     async def _serve(self, job_id: int) -> None:
         """One run of one job: until it has nothing left to claim or the worker stops."""
-        job = await self._call(self.ledger.get_job, job_id)
+        job = await self._db.call(self.ledger.get_job, job_id)
         try:
             spec = effective_spec(job, self.overrides)
             spec = dataclasses.replace(
@@ -284,9 +274,9 @@ class Worker:
             self.runners.pop(job_id, None)
             self._rebalance()
             self.stats.done.update(runner.stats.done)
-        counts = await self._call(self.ledger.counts, job_id)
+        counts = await self._db.call(LedgerQueries(self.ledger.engine).counts, job_id)
         code = exit_code_for(counts, result.stop_reason, ingest_done=job.ingest_done)
-        await self._call(self.ledger.end_run, job_id, result.run_id, code)
+        await self._db.call(self.ledger.end_run, job_id, result.run_id, code)
         if result.stop_reason in (StopReason.AUTH, StopReason.OUTAGE, StopReason.ERROR, StopReason.BUDGET):
             self._back_off(job_id, result.stop_message or result.stop_reason or "")
 
@@ -301,7 +291,7 @@ class Worker:
         if self._stop_reason == StopReason.LEDGER:
             return ExitCode.TEMPFAIL
         try:
-            left = await self._call(self.ledger.open_jobs, self.job_ids)
+            left = await self._db.call(self.ledger.open_jobs, self.job_ids)
         except Exception as exc:  # the ledger is gone: whether work is left is unknown, so assume it is
             log.warning("cannot tell whether work is left: %s", exc)
             return ExitCode.TEMPFAIL

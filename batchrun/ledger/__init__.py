@@ -1,18 +1,29 @@
-"""The ledger: SQLAlchemy models, engine set-up and the :class:`Ledger` store."""
+"""The ledger: SQLAlchemy models, engine set-up, the :class:`Ledger` write side, the :class:`LedgerQueries`
+reads, and :class:`AsyncLedger`, which calls the ledger from the event loop."""
 
 from __future__ import annotations
 
 from batchrun.ledger.engine import default_db_path, resolve_db_url
-from batchrun.ledger.store import RETRY_FILTERS, AttemptRecord, ClaimedItem, ItemRow, JobRecord, Ledger, Outcome
+from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger, ride_out
+from batchrun.ledger.queries import AttemptTotals, Distribution, ErrorGroup, ItemRow, LedgerQueries, SharedOutputs
+from batchrun.ledger.store import RETRY_FILTERS, AttemptRecord, ClaimedItem, JobRecord, Ledger, Outcome
 
 __all__ = [
+    "LEDGER_RETRY_SECONDS",
     "RETRY_FILTERS",
+    "AsyncLedger",
     "AttemptRecord",
+    "AttemptTotals",
     "ClaimedItem",
+    "Distribution",
+    "ErrorGroup",
     "ItemRow",
     "JobRecord",
     "Ledger",
+    "LedgerQueries",
     "Outcome",
+    "SharedOutputs",
     "default_db_path",
     "resolve_db_url",
+    "ride_out",
 ]

@@ -6,6 +6,9 @@ cheap to compare on the hot path.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from sqlalchemy import BigInteger, Boolean, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text, text
 
 # SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
@@ -109,6 +112,12 @@ items = Table(
         postgresql_where=text("state != 'rejected'"),
     ),
 )
+
+
+def item_columns(row_type: type, renamed: dict[str, str]) -> tuple[Any, ...]:
+    """The items columns behind each field of the dataclass ``row_type``, in its order: rows are then built
+    by name (a field is its column, or the one ``renamed`` names), whatever the dataclass's order."""
+    return tuple(items.c[renamed.get(f.name, f.name)] for f in dataclasses.fields(row_type))
 
 attempts = Table(
     "attempts",

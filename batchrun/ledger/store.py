@@ -1,16 +1,22 @@
-"""The Ledger: every SQL statement batchrun issues, behind intention-named methods."""
+"""The Ledger: the write side of the job database, behind intention-named methods.
+
+Jobs, ingest, runs and the job lock, leases (claim, heartbeat, sweeps), outcomes
+and attempts (record), the response cache's look-up, the user's retry and cancel,
+exports. The read-only questions status, report and export ask are
+:class:`~batchrun.ledger.queries.LedgerQueries`, over the same engine; calling
+either from the event loop goes through :class:`~batchrun.ledger.facade.AsyncLedger`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import os
 import socket
-from collections import Counter
 import time
+from collections import Counter
 from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +26,7 @@ from sqlalchemy import (
     Connection,
     Engine,
     Float,
-    Integer,
-    and_,
     bindparam,
-    case,
     exists,
     extract,
     func,
@@ -35,7 +38,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import cast as sql_cast
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
@@ -44,6 +47,7 @@ from batchrun.errors import JobLockedError, JobNotFoundError, LedgerBusyError, L
 from batchrun.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE_OPTION, open_engine
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import exports as exports_t
+from batchrun.ledger.models import item_columns
 from batchrun.ledger.models import items as items_t
 from batchrun.ledger.models import jobs as jobs_t
 from batchrun.ledger.models import rate_buckets as buckets_t
@@ -143,73 +147,6 @@ class AttemptRecord:
     seq: int | None = None  # the run's own number for it (unique per run): a replayed write adds it once
 
 
-@dataclass(frozen=True)
-class ItemRow:
-    """An item as export and reports read it."""
-
-    line: int
-    custom_id: str
-    state: str
-    attempts: int
-    status_code: int | None
-    response: str | None
-    output: str | None
-    request_id: str | None
-    error_class: str | None
-    error_message: str | None
-    input_tokens: int | None
-    output_tokens: int | None
-    latency_ms: float | None
-    parsed: str | None = None
-    validation_errors: str | None = None
-    item_id: int = 0
-    cost_usd: float | None = None
-    cached_from: int | None = None  # the answer was reused from this item (the response cache)
-
-
-@dataclass(frozen=True)
-class AttemptTotals:
-    """What a job's attempts add up to (every HTTP request, clean or not)."""
-
-    requests: int
-    clean: int  # answered without a transport or HTTP error
-    input_tokens: int
-    output_tokens: int
-    cached_tokens: int
-    cost_usd: float
-    first_started_at: float | None
-    last_started_at: float | None
-
-
-@dataclass(frozen=True)
-class Distribution:
-    """Count, mean, extremes and nearest-rank percentiles of one attempt measure, in ms."""
-
-    count: int
-    mean: float | None
-    minimum: float | None
-    maximum: float | None
-    percentiles: dict[int, float]  # {50: ..., 90: ..., 99: ...}; empty when count is 0
-
-
-@dataclass(frozen=True)
-class ErrorGroup:
-    """Errors sharing a class or an HTTP status: failed attempts, items that ended on it, one message."""
-
-    key: str | int | None
-    attempts: int
-    items: int
-    example: str | None
-
-
-@dataclass(frozen=True)
-class SharedOutputs:
-    """The custom_ids two jobs share, and how many of them both answered."""
-
-    shared: int
-    both_succeeded: int
-
-
 _ITEM_INSERT_COLUMNS = (
     "job_id", "line", "custom_id", "url", "body", "state", "attempts", "error_class", "error_message",
 )
@@ -262,14 +199,7 @@ _SQLITE_PUT_BACK = (
 )
 
 
-def _item_columns(row_type: type, renamed: dict[str, str]) -> tuple[Any, ...]:
-    """The items columns behind each field of ``row_type``, in its order: rows are then built by name
-    (a field is its column, or the one ``renamed`` names), whatever the dataclass's order."""
-    return tuple(items_t.c[renamed.get(f.name, f.name)] for f in dataclasses.fields(row_type))
-
-
-_CLAIMED_COLUMNS = _item_columns(ClaimedItem, {"claim": "lease_claim"})
-_ITEM_ROW_COLUMNS = _item_columns(ItemRow, {"item_id": "id"})
+_CLAIMED_COLUMNS = item_columns(ClaimedItem, {"claim": "lease_claim"})
 _SQLITE_PROGRESS = "UPDATE items SET followups = ? " + _SQLITE_HELD
 
 
@@ -1017,371 +947,6 @@ class Ledger:
                 .values(state=ItemState.CANCELLED, lease_owner=None, lease_expires=None, lease_claim=None, finished_at=time.time())
             )
             return int(result.rowcount)
-
-    # -- reading ------------------------------------------------------------
-
-    def counts(self, job_id: int) -> dict[str, int]:
-        counts = no_counts()
-        with self.engine.connect() as conn:
-            for state, n in conn.execute(
-                select(items_t.c.state, func.count()).where(items_t.c.job_id == job_id).group_by(items_t.c.state)
-            ):
-                counts[state] = n
-        return counts
-
-    def cached_count(self, job_id: int) -> int:
-        """How many of the job's items hold an answer reused from another item (no request sent)."""
-        with self.engine.connect() as conn:
-            return int(
-                conn.execute(
-                    select(func.count()).where(items_t.c.job_id == job_id, items_t.c.cached_from.is_not(None))
-                ).scalar()
-                or 0
-            )
-
-    def spent_usd(self, job_id: int) -> float:
-        """What the job's attempts have cost so far (the sum of their ``cost_usd``): its budget's spend."""
-        return self.attempt_totals(job_id).cost_usd
-
-    def _measure(self, job_id: int, measure: str) -> tuple[Any, list[ColumnElement[bool]]]:
-        """An attempt measure and the attempts it covers: clean answers for latency and TTFT, all for queue wait."""
-        columns = {"latency_ms": attempts_t.c.latency_ms, "queue_wait_ms": attempts_t.c.queue_wait_ms,
-                   "ttft_ms": attempts_t.c.ttft_ms}
-        if measure not in columns:
-            raise ValueError(f"unknown attempt measure {measure!r}")
-        column = columns[measure]
-        conds: list[ColumnElement[bool]] = [attempts_t.c.job_id == job_id, column.is_not(None)]
-        if measure != "queue_wait_ms":
-            conds.append(attempts_t.c.error_class.is_(None))
-        return column, conds
-
-    def _floor_int(self, expr: Any) -> Any:
-        """``floor(expr)`` as an integer (SQLite's CAST truncates, which is floor for the non-negative values used here)."""
-        return sql_cast(expr, Integer) if self.is_sqlite else sql_cast(func.floor(expr), Integer)
-
-    def attempt_totals(self, job_id: int) -> AttemptTotals:
-        """Requests sent, tokens and cost over all of the job's attempts."""
-        a = attempts_t.c
-        with self.engine.connect() as conn:
-            row = conn.execute(
-                select(
-                    func.count(),
-                    func.coalesce(func.sum(case((a.error_class.is_(None), 1), else_=0)), 0),
-                    func.coalesce(func.sum(a.input_tokens), 0),
-                    func.coalesce(func.sum(a.output_tokens), 0),
-                    func.coalesce(func.sum(a.cached_tokens), 0),
-                    func.coalesce(func.sum(a.cost_usd), 0.0),
-                    func.min(a.started_at),
-                    func.max(a.started_at),
-                ).where(a.job_id == job_id)
-            ).one()
-        return AttemptTotals(
-            requests=int(row[0]), clean=int(row[1]), input_tokens=int(row[2]), output_tokens=int(row[3]),
-            cached_tokens=int(row[4]), cost_usd=float(row[5]), first_started_at=row[6], last_started_at=row[7],
-        )
-
-    def attempt_distribution(self, job_id: int, measure: str, percentiles: Sequence[int] = (50, 90, 99)) -> Distribution:
-        """Nearest-rank percentiles of ``latency_ms``, ``queue_wait_ms`` or ``ttft_ms`` over the job's attempts.
-
-        Computed in the database: one aggregate for the count, then one
-        ``row_number() OVER (ORDER BY value)`` query that returns only the rows
-        at the wanted ranks (one sort, done by the database, spilling to disk
-        if it must; three rows come back).
-        """
-        column, conds = self._measure(job_id, measure)
-        with self.engine.connect() as conn:
-            n, mean, low, high = conn.execute(
-                select(func.count(), func.avg(column), func.min(column), func.max(column)).where(*conds)
-            ).one()
-            if not n:
-                return Distribution(0, None, None, None, {})
-            ranks = {p: max(1, -(-p * int(n) // 100)) for p in percentiles}
-            ranked = (
-                select(column.label("value"), func.row_number().over(order_by=column).label("rank"))
-                .where(*conds)
-                .subquery()
-            )
-            at_rank = dict(
-                conn.execute(
-                    select(ranked.c.rank, ranked.c.value).where(ranked.c.rank.in_(sorted(set(ranks.values()))))
-                ).all()
-            )
-        return Distribution(
-            count=int(n), mean=float(mean), minimum=float(low), maximum=float(high),
-            percentiles={p: float(at_rank[r]) for p, r in ranks.items()},
-        )
-
-    def attempt_histogram(self, job_id: int, measure: str, low: float, width: float) -> dict[int, int]:
-        """Attempts per bucket ``floor((value - low) / width)`` of a measure (values at least ``low``)."""
-        column, conds = self._measure(job_id, measure)
-        bucket = self._floor_int((column - float(low)) / float(width)).label("bucket")
-        with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(bucket, func.count()).where(*conds, column >= float(low)).group_by(bucket)
-            ).all()
-        return {int(b): int(n) for b, n in rows}
-
-    def succeeded_span(self, job_id: int) -> tuple[int, float | None, float | None]:
-        """How many items the API answered (reused answers left out), and when the first and the last finished."""
-        with self.engine.connect() as conn:
-            n, first, last = conn.execute(
-                select(func.count(), func.min(items_t.c.finished_at), func.max(items_t.c.finished_at)).where(
-                    items_t.c.job_id == job_id,
-                    items_t.c.state == ItemState.SUCCEEDED,
-                    items_t.c.finished_at.is_not(None),
-                    items_t.c.cached_from.is_(None),
-                )
-            ).one()
-        return int(n), first, last
-
-    def succeeded_per_interval(self, job_id: int, start: float, width_s: float) -> dict[int, int]:
-        """Items the API answered per time bucket ``floor((finished_at - start) / width_s)`` (from ``start`` on).
-
-        Reused answers (the response cache) are left out: they are not throughput.
-        """
-        bucket = self._floor_int((items_t.c.finished_at - float(start)) / float(width_s)).label("bucket")
-        with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(bucket, func.count())
-                .where(
-                    items_t.c.job_id == job_id,
-                    items_t.c.state == ItemState.SUCCEEDED,
-                    items_t.c.finished_at >= float(start),
-                    items_t.c.cached_from.is_(None),
-                )
-                .group_by(bucket)
-            ).all()
-        return {int(b): int(n) for b, n in rows}
-
-    def errors_by_class(self, job_id: int) -> list[ErrorGroup]:
-        """Per error class: failed attempts, items that ended on it (failed, invalid or rejected), one message.
-
-        The example is an item's kept message; an item that later succeeded keeps
-        none, so a class seen only on retried attempts may have no example.
-        """
-        i, a = items_t.c, attempts_t.c
-        with self.engine.connect() as conn:
-            by_attempt: dict[Any, int] = dict(
-                conn.execute(
-                    select(a.error_class, func.count())
-                    .where(a.job_id == job_id, a.error_class.is_not(None))
-                    .group_by(a.error_class)
-                ).all()
-            )
-            by_item: dict[Any, int] = dict(
-                conn.execute(
-                    select(i.error_class, func.count())
-                    .where(
-                        i.job_id == job_id,
-                        i.state.in_([ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED]),
-                        i.error_class.is_not(None),
-                    )
-                    .group_by(i.error_class)
-                ).all()
-            )
-            examples: dict[Any, str] = dict(
-                conn.execute(
-                    select(i.error_class, func.max(i.error_message))
-                    .where(i.job_id == job_id, i.error_class.is_not(None), i.error_message.is_not(None))
-                    .group_by(i.error_class)
-                ).all()
-            )
-        return sorted(
-            (
-                ErrorGroup(str(key), int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key))
-                for key in set(by_attempt) | set(by_item)
-            ),
-            key=lambda g: (-(g.attempts + g.items), str(g.key)),
-        )
-
-    def errors_by_status(self, job_id: int) -> list[ErrorGroup]:
-        """Per HTTP status (None: no response, e.g. a timeout or reset): failed attempts, failed items, one message."""
-        i, a = items_t.c, attempts_t.c
-        with self.engine.connect() as conn:
-            by_attempt: dict[Any, int] = dict(
-                conn.execute(
-                    select(a.status_code, func.count())
-                    .where(a.job_id == job_id, a.error_class.is_not(None))
-                    .group_by(a.status_code)
-                ).all()
-            )
-            by_item: dict[Any, int] = dict(
-                conn.execute(
-                    select(i.status_code, func.count())
-                    .where(i.job_id == job_id, i.state == ItemState.FAILED)
-                    .group_by(i.status_code)
-                ).all()
-            )
-            examples: dict[Any, str] = dict(
-                conn.execute(
-                    select(i.status_code, func.max(i.error_message))
-                    .where(
-                        i.job_id == job_id,
-                        i.state.in_([ItemState.PENDING, ItemState.RUNNING, ItemState.FAILED, ItemState.CANCELLED]),
-                        i.error_class.is_not(None),
-                        i.error_message.is_not(None),
-                    )
-                    .group_by(i.status_code)
-                ).all()
-            )
-        return sorted(
-            (
-                ErrorGroup(key, int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key))
-                for key in set(by_attempt) | set(by_item)
-            ),
-            key=lambda g: (-(g.attempts + g.items), g.key if isinstance(g.key, int) else 0),
-        )
-
-    def requests_per_item(self, job_id: int) -> dict[int, int]:
-        """How many items had n requests sent (n >= 1; an attempt row is a request, 429s included)."""
-        per_item = (
-            select(attempts_t.c.item_id, func.count().label("n"))
-            .where(attempts_t.c.job_id == job_id)
-            .group_by(attempts_t.c.item_id)
-            .subquery()
-        )
-        with self.engine.connect() as conn:
-            rows = conn.execute(select(per_item.c.n, func.count()).group_by(per_item.c.n)).all()
-        return {int(n): int(items) for n, items in rows}
-
-    @staticmethod
-    def _shared_items(job_a: int, job_b: int) -> tuple[Any, Any, Any, list[ColumnElement[bool]]]:
-        """A's and B's items joined on custom_id (rejected lines left out): (a, b, join, where)."""
-        a, b = items_t.alias("a"), items_t.alias("b")
-        # Written out, not bound, so SQLite matches the partial unique index on (job_id, custom_id).
-        rejected: ColumnElement[str] = literal_column("'rejected'")
-        on = and_(b.c.job_id == job_b, b.c.custom_id == a.c.custom_id, b.c.state != rejected)
-        return a, b, a.join(b, on), [a.c.job_id == job_a, a.c.state != rejected]
-
-    def shared_outputs(self, job_a: int, job_b: int) -> SharedOutputs:
-        """How many custom_ids jobs A and B share, and for how many both succeeded."""
-        a, b, joined, conds = self._shared_items(job_a, job_b)
-        both = case((and_(a.c.state == ItemState.SUCCEEDED, b.c.state == ItemState.SUCCEEDED), 1), else_=0)
-        with self.engine.connect() as conn:
-            n, ok = conn.execute(select(func.count(), func.coalesce(func.sum(both), 0)).select_from(joined).where(*conds)).one()
-        return SharedOutputs(shared=int(n), both_succeeded=int(ok))
-
-    def iter_output_differences(
-        self, job_a: int, job_b: int, column: str, *, chunk: int = 2000
-    ) -> Iterator[tuple[str, str | None, str | None]]:
-        """(custom_id, A's value, B's value) where both succeeded and ``column`` (output or parsed) differs as text.
-
-        In A's input order, read in bounded chunks (keyset pagination on A's line).
-        """
-        if column not in ("output", "parsed"):
-            raise ValueError(f"cannot compare items on {column!r}")
-        a, b, joined, conds = self._shared_items(job_a, job_b)
-        conds = [
-            *conds,
-            a.c.state == ItemState.SUCCEEDED,
-            b.c.state == ItemState.SUCCEEDED,
-            a.c[column].is_distinct_from(b.c[column]),
-        ]
-        last = -1
-        while True:
-            with self.engine.connect() as conn:
-                rows = conn.execute(
-                    select(a.c.line, a.c.custom_id, a.c[column], b.c[column])
-                    .select_from(joined)
-                    .where(*conds, a.c.line > last)
-                    .order_by(a.c.line)
-                    .limit(chunk)
-                ).all()
-            if not rows:
-                return
-            for _, custom_id, value_a, value_b in rows:
-                yield custom_id, value_a, value_b
-            last = rows[-1][0]
-
-    def shadowed_rejections(self, job_id: int) -> set[int]:
-        """Ids of rejected items whose custom_id another line already uses.
-
-        Output has one line per custom_id: such a rejected line is listed only
-        in the errors file. Rejected lines are few, so this is a small query.
-        """
-        rejected = (
-            select(items_t.c.id, items_t.c.line, items_t.c.custom_id)
-            .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.REJECTED)
-            .subquery()
-        )
-        with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(rejected.c.id, rejected.c.custom_id).order_by(rejected.c.line)
-            ).all()
-            if not rows:
-                return set()
-            taken = set(
-                conn.execute(
-                    select(items_t.c.custom_id).where(
-                        items_t.c.job_id == job_id,
-                        items_t.c.state != ItemState.REJECTED,
-                        items_t.c.custom_id.in_(select(rejected.c.custom_id)),
-                    )
-                ).scalars()
-            )
-        shadowed: set[int] = set()
-        seen: set[str] = set()
-        for item_id, custom_id in rows:
-            if custom_id in taken or custom_id in seen:
-                shadowed.add(item_id)
-            seen.add(custom_id)
-        return shadowed
-
-    def recent_latencies(self, job_id: int, limit: int) -> list[float]:
-        """Seconds taken by the job's latest clean attempts, oldest first."""
-        with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(attempts_t.c.latency_ms)
-                .where(attempts_t.c.job_id == job_id, attempts_t.c.error_class.is_(None), attempts_t.c.latency_ms.is_not(None))
-                .order_by(attempts_t.c.id.desc())
-                .limit(limit)
-            ).scalars()
-            return [ms / 1000.0 for ms in reversed(list(rows))]
-
-    def iter_items(self, job_id: int, *, chunk: int = 2000) -> Iterator[ItemRow]:
-        """Every item of the job in input order, read in bounded chunks."""
-        cols = _ITEM_ROW_COLUMNS
-        if not self.is_sqlite:
-            # One query through a server-side cursor: rows arrive ``chunk`` at a time. If the
-            # session ends meanwhile (this process stalled mid-export past PostgreSQL's
-            # idle-in-transaction timeout, or the server restarted), a new cursor carries on
-            # after the last line read.
-            last, lost = -1, 0
-            while True:
-                try:
-                    with self.engine.connect() as conn:
-                        result = conn.execution_options(stream_results=True, yield_per=chunk).execute(
-                            select(*cols).where(items_t.c.job_id == job_id, items_t.c.line > last)
-                            .order_by(items_t.c.line)
-                        )
-                        try:
-                            for r in result:
-                                row = ItemRow(*r)
-                                last = row.line
-                                yield row
-                        finally:
-                            with suppress(DBAPIError):
-                                result.close()  # also when the caller stops early: the cursor goes now
-                    return
-                except DBAPIError as exc:
-                    lost += 1
-                    if not exc.connection_invalidated or lost > 3:
-                        raise
-        # SQLite: keyset pages, so no read transaction stays open (and holds back the WAL) for the export.
-        last = -1
-        while True:
-            with self.engine.connect() as conn:
-                rows = conn.execute(
-                    select(*cols)
-                    .where(items_t.c.job_id == job_id, items_t.c.line > last)
-                    .order_by(items_t.c.line)
-                    .limit(chunk)
-                ).all()
-            if not rows:
-                return
-            for r in rows:
-                yield ItemRow(*r)
-            last = rows[-1].line
 
     # -- exports ------------------------------------------------------------
 

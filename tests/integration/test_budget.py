@@ -14,7 +14,7 @@ import pytest
 
 from batchrun.errors import SpecError
 from batchrun.jobs import RunSummary, prepare_job, run_job
-from batchrun.ledger import Ledger
+from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, parse_spec
 from batchrun.testing import FakeOpenAIServer, Faults, RequestRecord
@@ -101,7 +101,7 @@ def test_budget_holds_at_concurrency_64_and_resume_with_more_finishes(
     # really ran wide (dozens of reservations at once, not a trickle); how close to 64 the
     # slow start gets before the cap depends on the machine's load
     assert max_overlap(server.log) >= 32
-    spent = ledger.spent_usd(job_id)
+    spent = LedgerQueries(ledger.engine).spent_usd(job_id)
     assert spent <= budget  # the ledger's cost of every attempt
     assert billed_by_server(server.log) <= budget  # and the provider's own count, truncated answers included
     assert spent >= budget * 0.75  # and the budget was used, not given up at the first crowd in flight
@@ -109,7 +109,7 @@ def test_budget_holds_at_concurrency_64_and_resume_with_more_finishes(
     assert counts[ItemState.RUNNING] == counts[ItemState.FAILED] == 0
     assert counts[ItemState.SUCCEEDED] + counts[ItemState.PENDING] == n
     assert 0 < counts[ItemState.SUCCEEDED] < n
-    unfinished = [r for r in ledger.iter_items(job_id) if r.state != ItemState.SUCCEEDED]
+    unfinished = [r for r in LedgerQueries(ledger.engine).iter_items(job_id) if r.state != ItemState.SUCCEEDED]
     assert all(r.state == ItemState.PENDING and r.output is None for r in unfinished)
     answered = set(server.ok_by_key())
     before = len(server.log)
@@ -119,11 +119,11 @@ def test_budget_holds_at_concurrency_64_and_resume_with_more_finishes(
     assert second.exit_code == ExitCode.OK, second.counts
     assert second.counts[ItemState.SUCCEEDED] == n
     assert max(server.ok_by_key().values()) == 1  # no item was answered (cleanly) twice
-    rows = list(ledger.iter_items(job_id))
+    rows = list(LedgerQueries(ledger.engine).iter_items(job_id))
     assert len({r.custom_id for r in rows}) == n
     assert [r.output for r in rows] == [echo(str(line["text"])) for line in lines]
     assert not [r for r in server.log[before:] if r.key in answered]  # resume sent only what was left
-    assert ledger.spent_usd(job_id) <= budget * 10
+    assert LedgerQueries(ledger.engine).spent_usd(job_id) <= budget * 10
 
 
 def test_budget_is_used_to_the_last_request_that_fits(
@@ -138,7 +138,7 @@ def test_budget_is_used_to_the_last_request_that_fits(
     summary = run(ledger, job_id, budget_usd=budget)
 
     assert summary.exit_code == ExitCode.BUDGET
-    spent = ledger.spent_usd(job_id)
+    spent = LedgerQueries(ledger.engine).spent_usd(job_id)
     assert spent == pytest.approx(billed_by_server(server.log))  # every request answered cleanly and recorded
     # Requests that do not fit while others are in flight wait for them to settle; the run stops only when
     # the next one cannot fit with nothing in flight: less than one worst case is left unused.
@@ -201,4 +201,4 @@ def test_a_budget_without_a_price_sends_nothing(
     with pytest.raises(SpecError, match=r"add a \[pricing\] table"):
         run(ledger, job_id, budget_usd=1)  # resume --budget-usd on it
     assert server.log == []
-    assert ledger.counts(job_id)[ItemState.PENDING] == 3
+    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.PENDING] == 3

@@ -12,7 +12,7 @@ from sqlalchemy import text
 
 from batchrun.export import export_job
 from batchrun.jobs import RunSummary, prepare_job, run_job
-from batchrun.ledger import Ledger
+from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.report import job_status, status_lines
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, load_spec
@@ -144,9 +144,9 @@ def test_next_day_only_new_records_reach_the_server(
     day3 = submit(ledger, spec, write_jsonl(records(110), "day2.jsonl"), new=True)
     assert run(ledger, day3).exit_code == ExitCode.OK
     assert len(server.log) == seen
-    rows = {r.custom_id: r for r in ledger.iter_items(day3)}
-    originals = {r.custom_id: r.item_id for r in ledger.iter_items(day1)}
-    originals |= {r.custom_id: r.item_id for r in ledger.iter_items(day2) if r.cached_from is None}
+    rows = {r.custom_id: r for r in LedgerQueries(ledger.engine).iter_items(day3)}
+    originals = {r.custom_id: r.item_id for r in LedgerQueries(ledger.engine).iter_items(day1)}
+    originals |= {r.custom_id: r.item_id for r in LedgerQueries(ledger.engine).iter_items(day2) if r.cached_from is None}
     assert {cid: r.cached_from for cid, r in rows.items()} == originals
 
 
@@ -223,9 +223,9 @@ def test_failed_and_invalid_answers_are_never_reused(
     third = submit(ledger, structured, path, new=True)
     assert run(ledger, third).exit_code == ExitCode.OK
     assert len(server.log) == seen
-    rows = list(ledger.iter_items(third))
+    rows = list(LedgerQueries(ledger.engine).iter_items(third))
     assert all(r.cached_from is not None and r.parsed is not None for r in rows)
-    assert {r.custom_id: r.parsed for r in rows} == {r.custom_id: r.parsed for r in ledger.iter_items(again_s)}
+    assert {r.custom_id: r.parsed for r in rows} == {r.custom_id: r.parsed for r in LedgerQueries(ledger.engine).iter_items(again_s)}
 
 
 def test_a_reused_answer_the_job_no_longer_accepts_is_sent_again(
@@ -288,7 +288,7 @@ def test_a_partly_failed_day_pays_only_for_what_failed(
     server.faults = Faults(p_500=0.3, seed=5)
     day1 = submit(ledger, spec, write_jsonl(records(40), "day1.jsonl"))
     assert run(ledger, day1).exit_code == ExitCode.SOME_FAILED
-    failed = {r.custom_id for r in ledger.iter_items(day1) if r.state == ItemState.FAILED}
+    failed = {r.custom_id for r in LedgerQueries(ledger.engine).iter_items(day1) if r.state == ItemState.FAILED}
     assert failed
     server.faults = Faults()
     seen = len(server.log)

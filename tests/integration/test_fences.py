@@ -19,8 +19,7 @@ from sqlalchemy.exc import OperationalError
 from batchrun.errors import JobLockedError, LockLostError
 from batchrun.ingest import INSERT_BATCH
 from batchrun.jobs import prepare_job
-from batchrun.ledger import AttemptRecord, Ledger, Outcome
-from batchrun.ledger.reconnect import ride_out
+from batchrun.ledger import AsyncLedger, AttemptRecord, Ledger, LedgerQueries, Outcome
 from batchrun.states import ItemState
 
 from .test_ingest import BATCH_SPEC, batch_line
@@ -54,7 +53,7 @@ def test_an_ingest_taken_over_writes_nothing_more(ledger: Ledger) -> None:
     with pytest.raises(LockLostError):
         ledger.finish_ingest(job_id, run_id=first)
     assert ledger.finish_ingest(job_id, run_id=second) == 20
-    assert [r.line for r in ledger.iter_items(job_id)] == list(range(1, 21))
+    assert [r.line for r in LedgerQueries(ledger.engine).iter_items(job_id)] == list(range(1, 21))
 
 
 def test_a_line_is_stored_once_whoever_writes_it(ledger: Ledger) -> None:
@@ -63,7 +62,7 @@ def test_a_line_is_stored_once_whoever_writes_it(ledger: Ledger) -> None:
     job_id = ledger.create_job(SPEC, input_path="in.jsonl", input_hash="twice")
     ledger.insert_items(job_id, rows(INSERT_BATCH // 10))
     assert ledger.insert_items(job_id, rows(INSERT_BATCH // 10)) == []  # the same lines again
-    stored = list(ledger.iter_items(job_id))
+    stored = list(LedgerQueries(ledger.engine).iter_items(job_id))
     assert len(stored) == INSERT_BATCH // 10 and {r.state for r in stored} == {ItemState.PENDING}
     with pytest.raises(Exception):  # the database refuses a second row for a line
         with ledger.engine.begin() as conn:
@@ -86,7 +85,7 @@ def test_a_run_that_lost_its_lock_is_refused_claims_and_heartbeats(ledger: Ledge
         ledger.heartbeat(job_id, old, 60, exclusive=True)
     with pytest.raises(LockLostError):
         ledger.claim(job_id, old, 2, 60, exclusive=True)
-    assert ledger.counts(job_id)[ItemState.RUNNING] == 0
+    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.RUNNING] == 0
     # The new holder is not disturbed by the old one's end.
     ledger.end_run(job_id, old, 75)
     with pytest.raises(JobLockedError, match=new):
@@ -139,7 +138,7 @@ def test_a_crash_inside_an_ingest_batch_loses_no_line(
         for statement in heal:
             conn.execute(text(statement))
     again = prepare_job(ledger, BATCH_SPEC, path)
-    stored = list(ledger.iter_items(again.job_id))
+    stored = list(LedgerQueries(ledger.engine).iter_items(again.job_id))
     assert [r.line for r in stored] == list(range(1, 41))
     assert stored[29].state == ItemState.REJECTED and stored[29].error_class == "duplicate_custom_id"
     assert ledger.get_job(again.job_id).total == 40
@@ -170,28 +169,23 @@ def test_a_replayed_write_counts_once(pg_url: str) -> None:
                 error.connection_invalidated = True
                 raise error
 
-        async def write() -> None:
-            await ride_out(lambda: _in_thread(record_then_lose_the_ack), for_seconds=5, what="record")
-
         import asyncio
 
-        asyncio.run(write())
+        aledger = AsyncLedger(ledger, ride_out_seconds=5)
+        try:
+            asyncio.run(aledger.call(record_then_lose_the_ack))
+        finally:
+            aledger.close()
         assert calls == 2
         with ledger.engine.connect() as conn:
             n, spent = conn.execute(
                 text("select count(*), sum(cost_usd) from attempts where job_id = :j"), {"j": job_id}
             ).one()
         assert (n, spent) == (2, 0.5)
-        row = {r.custom_id: r for r in ledger.iter_items(job_id)}[item.custom_id]
+        row = {r.custom_id: r for r in LedgerQueries(ledger.engine).iter_items(job_id)}[item.custom_id]
         assert (row.state, row.attempts) == (ItemState.SUCCEEDED, 2)
     finally:
         ledger.close()
-
-
-async def _in_thread(fn: Callable[[], None]) -> None:
-    import asyncio
-
-    await asyncio.get_running_loop().run_in_executor(None, fn)
 
 
 @pytest.mark.postgres
@@ -229,12 +223,12 @@ def test_deadlocks_are_retried(pg_url: str) -> None:
     not a crash of the run. A real deadlock between two connections here."""
     import threading
 
-    from batchrun.ledger.reconnect import is_transient
+    from batchrun.ledger.facade import is_transient
 
     ledger = Ledger.open(pg_url)
     try:
         job_id = make_job(ledger, 2)
-        ids = [r.item_id for r in ledger.iter_items(job_id)]
+        ids = [r.item_id for r in LedgerQueries(ledger.engine).iter_items(job_id)]
         both_hold_one = threading.Barrier(2)
         errors: list[BaseException] = []
 
@@ -276,7 +270,7 @@ def test_a_stalled_session_is_ended_and_an_export_carries_on(pg_url: str) -> Non
         ledger.engine.dispose()
         sessions: list[int] = []
         event.listen(ledger.engine, "connect", lambda dbapi, _: sessions.append(dbapi.info.backend_pid))
-        rows = ledger.iter_items(job_id, chunk=100)
+        rows = LedgerQueries(ledger.engine).iter_items(job_id, chunk=100)
         first = [next(rows) for _ in range(30)]
         assert len(sessions) == 1
         with ledger.engine.connect() as conn:  # what the timeout does to a stalled exporter's session
@@ -299,10 +293,10 @@ def test_an_outcome_lands_only_on_the_claim_it_answers(ledger: Ledger) -> None:
     assert [c.id for c in again] == [c.id for c in first] and {c.claim for c in again} == {2}
     ledger.record(run, [Outcome(first[0].id, ItemState.PENDING, 1, claim=1),
                         Outcome(first[1].id, ItemState.FAILED, 1, error_class="server_error", claim=1)], [])
-    assert ledger.counts(job_id)[ItemState.RUNNING] == 2
+    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.RUNNING] == 2
     assert ledger.heartbeat(job_id, run, 60) == {again[0].id: 2, again[1].id: 2}
     ledger.record(run, [Outcome(again[0].id, ItemState.PENDING, 1, claim=2)], [])
-    assert ledger.counts(job_id)[ItemState.PENDING] == 1
+    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.PENDING] == 1
 
 
 def test_a_replayed_claim_returns_what_the_first_leased(ledger: Ledger) -> None:
@@ -313,7 +307,7 @@ def test_a_replayed_claim_returns_what_the_first_leased(ledger: Ledger) -> None:
     first = ledger.claim(job_id, run, 3, 60, token=7)
     replay = ledger.claim(job_id, run, 3, 60, token=7)
     assert replay == first
-    assert ledger.counts(job_id)[ItemState.RUNNING] == 3
+    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.RUNNING] == 3
     assert [c.custom_id for c in ledger.claim(job_id, run, 3, 60, token=8)] == ["c4", "c5", "c6"]
 
 
@@ -337,7 +331,7 @@ def test_requeue_orphans_is_fenced_by_the_lock(ledger: Ledger) -> None:
     ledger.claim(job_id, new, 4, 60, exclusive=True, token=1)
     with pytest.raises(LockLostError):
         ledger.requeue_orphans(job_id, slow)
-    assert ledger.counts(job_id)[ItemState.RUNNING] == 4
+    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.RUNNING] == 4
 
 
 def test_re_ask_progress_and_a_put_back_in_one_batch_keep_the_re_ask(ledger: Ledger) -> None:
@@ -366,6 +360,6 @@ def test_a_late_answer_lands_on_an_item_another_run_failed(ledger: Ledger) -> No
                           Outcome(taken[1].id, ItemState.INVALID_OUTPUT, 3, error_class="schema_invalid", claim=1)], [])
     ledger.record(slow, [Outcome(t.id, ItemState.SUCCEEDED, 1, status_code=200, output="late", claim=1) for t in taken],
                   [])
-    assert [(r.state, r.output, r.error_class) for r in ledger.iter_items(job_id)] == [
+    assert [(r.state, r.output, r.error_class) for r in LedgerQueries(ledger.engine).iter_items(job_id)] == [
         (ItemState.SUCCEEDED, "late", None), (ItemState.SUCCEEDED, "late", None),
     ]

@@ -9,7 +9,7 @@ import pytest
 from batchrun.errors import InputError
 from batchrun.ingest import RequestBuilder, iter_lines
 from batchrun.jobs import prepare_job
-from batchrun.ledger import Ledger
+from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.providers import provider_for
 from batchrun.spec import Overrides, parse_spec, spec_for_batch_input
 from batchrun.states import ItemState
@@ -36,7 +36,7 @@ def batch_line(cid: object, content: str = "hi", **extra: object) -> dict[str, o
 
 
 def items(ledger: Ledger, job_id: int) -> list:
-    return list(ledger.iter_items(job_id))
+    return list(LedgerQueries(ledger.engine).iter_items(job_id))
 
 
 def test_iter_lines_crlf_missing_final_newline_and_oversize(tmp_path: Path) -> None:
@@ -172,7 +172,7 @@ def test_large_input_is_ingested_in_batches(ledger: Ledger, write_jsonl: Callabl
     path = write_jsonl([batch_line(f"id-{i}", f"content {i}") for i in range(n)])
     batches: list[int] = []
     prepared = prepare_job(ledger, BATCH_SPEC, path, on_batch=lambda s: batches.append(s.lines))
-    assert ledger.counts(prepared.job_id)[ItemState.PENDING] == n
+    assert LedgerQueries(ledger.engine).counts(prepared.job_id)[ItemState.PENDING] == n
     assert len(batches) == 3  # 5000 + 5000 + rest: never the whole file at once
 
 

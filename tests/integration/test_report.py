@@ -25,7 +25,7 @@ from click.testing import CliRunner
 
 from batchrun.cli import main
 from batchrun.jobs import RunSummary, prepare_job, run_job
-from batchrun.ledger import AttemptRecord, Ledger
+from batchrun.ledger import AttemptRecord, Ledger, LedgerQueries
 from batchrun.report import job_report, nice_step
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, load_spec, spec_for_batch_input
@@ -229,7 +229,7 @@ def test_percentiles_in_the_database_match_nearest_rank(
     rng = random.Random(5)
     for n in (1, 2, 7, 101):
         job_id = prepare_job(ledger, spec, write_jsonl(lines[:n], name=f"in{n}.jsonl"), new=True).job_id
-        item_ids = [r.item_id for r in ledger.iter_items(job_id)]
+        item_ids = [r.item_id for r in LedgerQueries(ledger.engine).iter_items(job_id)]
         attempts = []
         for number, item_id in enumerate(item_ids * 2):
             clean = number % 5 != 3
@@ -420,8 +420,8 @@ def test_compare_structured_outputs_by_parsed_json(
         job_b = submit(ledger, make_spec(tmp_path, server_b, schema=True, name="b"), path)
         assert run(ledger, job_b).exit_code == ExitCode.OK
         assert any(r.output_fault == "fenced" for r in server_b.log)
-    rows_a = {r.custom_id: r for r in ledger.iter_items(job_a)}
-    rows_b = {r.custom_id: r for r in ledger.iter_items(job_b)}
+    rows_a = {r.custom_id: r for r in LedgerQueries(ledger.engine).iter_items(job_a)}
+    rows_b = {r.custom_id: r for r in LedgerQueries(ledger.engine).iter_items(job_b)}
     raw_differ = {k for k in rows_a if rows_a[k].output != rows_b[k].output}
     assert raw_differ > {"r4", "r9", "r15"}  # the fences change the raw text of many more
 
@@ -429,7 +429,7 @@ def test_compare_structured_outputs_by_parsed_json(
     reordered = rows_b["r0"]
     swapped = dict(reversed(list(orjson.loads(reordered.parsed or "null").items())))
     ledger.set_verdicts([(reordered.item_id, ItemState.SUCCEEDED, orjson.dumps(swapped).decode(), None, None, None)])
-    assert rows_a["r0"].parsed != {r.custom_id: r for r in ledger.iter_items(job_b)}["r0"].parsed
+    assert rows_a["r0"].parsed != {r.custom_id: r for r in LedgerQueries(ledger.engine).iter_items(job_b)}["r0"].parsed
 
     data = orjson.loads(cli("compare", str(job_a), str(job_b), "--json", "--db", db_url).stdout)
     assert data["outputs"] == {
@@ -504,7 +504,7 @@ def test_watch_stops_on_ctrl_c_without_a_traceback(
     assert watcher.returncode == 130
     assert "pending=3" in first and "pending=3" in second
     assert "Traceback" not in err
-    assert ledger.counts(job_id)[ItemState.PENDING] == 3
+    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.PENDING] == 3
 
 
 def test_watch_on_a_terminal_draws_in_place(

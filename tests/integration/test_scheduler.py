@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import event, func, select
 
 from batchrun.jobs import RunSummary, prepare_job, run_job
-from batchrun.ledger import Ledger
+from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides, spec_for_batch_input
 from batchrun.testing import FakeOpenAIServer, Faults
@@ -51,7 +51,7 @@ def run(ledger: Ledger, job_id: int, options: RunOptions = FAST, **over: object)
 
 
 def outputs(ledger: Ledger, job_id: int) -> dict[str, str | None]:
-    return {r.custom_id: r.output for r in ledger.iter_items(job_id)}
+    return {r.custom_id: r.output for r in LedgerQueries(ledger.engine).iter_items(job_id)}
 
 
 def test_clean_run_every_item_once(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
@@ -62,7 +62,7 @@ def test_clean_run_every_item_once(ledger: Ledger, server: FakeOpenAIServer, wri
     assert summary.counts[ItemState.SUCCEEDED] == 300
     assert outputs(ledger, job_id) == {f"k{i}": f"echo: k{i}" for i in range(300)}
     assert set(server.requests_by_key().values()) == {1}
-    rows = list(ledger.iter_items(job_id))
+    rows = list(LedgerQueries(ledger.engine).iter_items(job_id))
     assert all(r.input_tokens and r.output_tokens and r.latency_ms for r in rows)
     assert {r.request_id for r in rows} == {f"req_{rec.seq}" for rec in server.log}
 
@@ -94,7 +94,7 @@ def test_permanent_error_fails_at_once(ledger: Ledger, server: FakeOpenAIServer,
     job_id = submit(ledger, server, write_jsonl(batch_lines(5)))
     summary = run(ledger, job_id)
     assert summary.exit_code == ExitCode.SOME_FAILED
-    rows = list(ledger.iter_items(job_id))
+    rows = list(LedgerQueries(ledger.engine).iter_items(job_id))
     assert {(r.state, r.error_class, r.status_code, r.attempts) for r in rows} == {("failed", "client_error", 400, 1)}
     assert len(server.log) == 5
     assert "HTTP 400" in (rows[0].error_message or "")
@@ -106,7 +106,7 @@ def test_retries_exhausted(ledger: Ledger, server: FakeOpenAIServer, write_jsonl
     job_id = submit(ledger, server, write_jsonl(batch_lines(3)), max_attempts=3)
     summary = run(ledger, job_id)
     assert summary.exit_code == ExitCode.SOME_FAILED
-    assert {(r.state, r.error_class, r.attempts) for r in ledger.iter_items(job_id)} == {("failed", "server_error", 3)}
+    assert {(r.state, r.error_class, r.attempts) for r in LedgerQueries(ledger.engine).iter_items(job_id)} == {("failed", "server_error", 3)}
     assert server.requests_by_key() == {"k0": 3, "k1": 3, "k2": 3}
 
 
@@ -135,7 +135,7 @@ def test_auth_error_stops_the_run_after_a_few_requests(
     assert summary.result.stop_reason == "auth"
     assert len(server.log) <= 4  # slow start: a wrong key costs a handful of requests
     assert summary.counts[ItemState.PENDING] == 500
-    assert {r.attempts for r in ledger.iter_items(job_id)} == {0}
+    assert {r.attempts for r in LedgerQueries(ledger.engine).iter_items(job_id)} == {0}
 
 
 def test_retry_after_pauses_all_dispatch(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
@@ -180,7 +180,7 @@ def test_attempt_count_holds_across_runs(ledger: Ledger, server: FakeOpenAIServe
 
     first = asyncio.run(stop_after_first_request())
     assert first.exit_code == ExitCode.TEMPFAIL
-    assert [r.attempts for r in ledger.iter_items(job_id)] == [1]
+    assert [r.attempts for r in LedgerQueries(ledger.engine).iter_items(job_id)] == [1]
     second = run(ledger, job_id)
     assert second.exit_code == ExitCode.SOME_FAILED
     assert server.requests_by_key()["k0"] == 4
@@ -317,7 +317,7 @@ def test_model_override_and_base_url_forms(ledger: Ledger, server: FakeOpenAISer
     job_id = prepare_job(ledger, spec, write_jsonl(batch_lines(3))).job_id
     assert run(ledger, job_id).exit_code == ExitCode.OK
     assert {rec.path for rec in server.log} == {"/v1/chat/completions"}
-    rows = list(ledger.iter_items(job_id))
+    rows = list(LedgerQueries(ledger.engine).iter_items(job_id))
     assert {orjson.loads(r.response or "{}")["model"] for r in rows} == {"override-model"}
 
 
@@ -433,7 +433,7 @@ def test_an_outage_pauses_and_stops_with_items_pending(
     server.faults = Faults()
     again = run(ledger, job_id)
     assert again.exit_code == ExitCode.OK
-    assert max(r.attempts for r in ledger.iter_items(job_id)) <= 3
+    assert max(r.attempts for r in LedgerQueries(ledger.engine).iter_items(job_id)) <= 3
 
 
 def test_a_ledger_failure_mid_run_stops_promptly_with_a_clear_error(

@@ -11,7 +11,7 @@ import pytest
 
 from batchrun.export import export_job
 from batchrun.jobs import RunSummary, prepare_job, revalidate_job, run_job
-from batchrun.ledger import Ledger
+from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.report import job_status
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, load_spec
@@ -71,7 +71,7 @@ def run(ledger: Ledger, job_id: int) -> RunSummary:
 
 
 def rows(ledger: Ledger, job_id: int) -> dict[str, object]:
-    return {r.custom_id: r for r in ledger.iter_items(job_id)}
+    return {r.custom_id: r for r in LedgerQueries(ledger.engine).iter_items(job_id)}
 
 
 def test_valid_fenced_and_prose_answers_are_parsed_without_reasking(
@@ -113,7 +113,7 @@ def test_reask_with_feedback_fixes_the_answer(
     assert all(c == pytest.approx((i * 1.0 + o * 2.0) / 1e6) for i, o, c in costs)  # and its own cost
     expected = sum((r.prompt_tokens * 1.0 + r.completion_tokens * 2.0) / 1e6 for r in server.log)
     assert job_status(ledger, job_id)["cost_usd"] == pytest.approx(expected)
-    item_costs = sum(r.cost_usd for r in ledger.iter_items(job_id))  # type: ignore[misc]
+    item_costs = sum(r.cost_usd for r in LedgerQueries(ledger.engine).iter_items(job_id))  # type: ignore[misc]
     assert item_costs == pytest.approx(expected)
 
 

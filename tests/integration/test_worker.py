@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from batchrun.errors import JobNotFoundError
-from batchrun.ledger import Ledger
+from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.spec import Overrides
 from batchrun.testing import FakeOpenAIServer, Faults
 from batchrun.worker import Worker, WorkerOptions
@@ -57,7 +57,7 @@ def test_every_job_is_served_side_by_side(
 
     assert asyncio.run(go()) == ExitCode.OK
     for job_id in (first, second):
-        assert pg_ledger.counts(job_id)[ItemState.SUCCEEDED] == 400
+        assert LedgerQueries(pg_ledger.engine).counts(job_id)[ItemState.SUCCEEDED] == 400
     assert {first: 4, second: 4} in shares, "both jobs at once, the worker's slots split evenly"
     keys = [r.key or "" for r in server.log]
     # Fair: the second job did not wait for the first to finish.
@@ -78,5 +78,5 @@ def test_unknown_job_and_stop_with_work_left(
         return (await worker.run()).exit_code
 
     assert asyncio.run(go()) == ExitCode.TEMPFAIL
-    counts = pg_ledger.counts(job_id)
+    counts = LedgerQueries(pg_ledger.engine).counts(job_id)
     assert counts[ItemState.RUNNING] == 0 and 0 < counts[ItemState.SUCCEEDED] < 2000

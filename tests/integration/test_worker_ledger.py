@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from batchrun.ledger import Ledger
+from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.states import ItemState
 
 from .test_ledger import SPEC, make_job
@@ -24,14 +24,14 @@ def test_taken_custom_ids_are_rejected_within_and_across_batches(ledger: Ledger)
     dupes = ledger.insert_items(job_id, again)
     assert [(row["line"], first) for row, first in dupes] == [(102, 7), (103, 101)]
     # Stored in the same transaction as rejected lines: no line of a batch is ever left out.
-    rows = list(ledger.iter_items(job_id))
+    rows = list(LedgerQueries(ledger.engine).iter_items(job_id))
     assert [r.line for r in rows] == [*range(1, 104)]
     assert [(r.custom_id, r.state, r.error_class) for r in rows[-2:]] == [
         ("c7", ItemState.REJECTED, "duplicate_custom_id"), ("c101", ItemState.REJECTED, "duplicate_custom_id"),
     ]
     # A line already stored is left as it is, whatever the batch says of it (each line is stored once).
     assert ledger.insert_items(job_id, item_rows(range(102, 103), key="other")) == []
-    assert [r.custom_id for r in ledger.iter_items(job_id) if r.line == 102] == ["c7"]
+    assert [r.custom_id for r in LedgerQueries(ledger.engine).iter_items(job_id) if r.line == 102] == ["c7"]
     # A rejected line may repeat a custom_id; the batch still goes in whole.
     rejected = {"line": 104, "custom_id": "c1", "url": None, "body": None, "state": ItemState.REJECTED,
                 "error_class": "duplicate", "error_message": "dup"}
@@ -44,7 +44,7 @@ def test_nul_in_a_batch_is_stored(ledger: Ledger) -> None:
     rows = item_rows(range(1, 4))
     rows[1]["custom_id"] = "x\x00y"
     assert ledger.insert_items(job_id, rows) == []
-    assert [r.custom_id for r in ledger.iter_items(job_id)][1] in ("x\x00y", "x\ufffdy")
+    assert [r.custom_id for r in LedgerQueries(ledger.engine).iter_items(job_id)][1] in ("x\x00y", "x\ufffdy")
 
 
 def test_an_exclusive_run_leaves_live_workers_items_alone(ledger: Ledger) -> None:
@@ -56,7 +56,7 @@ def test_an_exclusive_run_leaves_live_workers_items_alone(ledger: Ledger) -> Non
     ledger.end_run(job_id, gone, 75)  # a worker that ended without giving its items back
     resume = ledger.start_run(job_id, "resume", exclusive=True)
     assert ledger.requeue_orphans(job_id, resume) == 2
-    assert ledger.counts(job_id)[ItemState.RUNNING] == 2
+    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.RUNNING] == 2
 
 
 def test_open_jobs_and_the_expired_lease_sweep(ledger: Ledger) -> None:

@@ -1,4 +1,10 @@
-"""Riding out a database restart: which errors are passing, and retrying them.
+"""The ledger from the event loop: its calls on one thread of their own, riding out a database restart.
+
+The :class:`~batchrun.ledger.store.Ledger` is synchronous. :class:`AsyncLedger`
+runs its calls on one dedicated thread, so the loop never blocks on SQLite and
+the ledger sees one writer per process (a runner, a worker), and on PostgreSQL
+rides out a lost connection; :func:`ride_out` does the same for a synchronous
+caller (ingest). Callers say what to call, never how to retry it.
 
 PostgreSQL restarts (failover, upgrade, ``pg_ctlcluster restart``) break every open
 connection; the pool's pre-ping replaces dead connections at checkout, and a call
@@ -8,13 +14,19 @@ replays are idempotent, see ``Ledger.record``). A deadlock (two runs updating th
 same items in different orders: a lease sweep and a commit) rolls back one of the
 two transactions; it is retried the same way. SQLite errors are local (disk full,
 file removed): retrying them cannot help, so only PostgreSQL ledgers retry.
+
+Only those errors are retried. The ledger's fences (LockLostError when the job
+lock is another run's, LedgerBusyError when a SQLite file stays locked,
+JobLockedError) and any other error reach the caller at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
@@ -27,6 +39,8 @@ from tenacity import (
     wait_exponential,
     wait_random,
 )
+
+from batchrun.ledger.store import Ledger
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,6 +86,11 @@ def is_transient(exc: BaseException) -> bool:
     )
 
 
+def _ride_out_seconds(ledger: Ledger, seconds: float) -> float:
+    """How long a call to ``ledger`` is retried: ``seconds`` on PostgreSQL; never on SQLite (its errors are local)."""
+    return 0.0 if ledger.is_sqlite else seconds
+
+
 def _policy(for_seconds: float, what: str) -> dict[str, Any]:
     """Tenacity's arguments for riding out: backoff with jitter, transient errors only, logged."""
     started = time.monotonic()
@@ -94,14 +113,7 @@ def _policy(for_seconds: float, what: str) -> dict[str, Any]:
     }
 
 
-def ride_out_sync(call: Callable[[], T], *, for_seconds: float, what: str) -> T:
-    """:func:`ride_out` for synchronous callers (ingest): ``call()``, retried the same way."""
-    if for_seconds <= 0:
-        return call()
-    return Retrying(**_policy(for_seconds, what))(call)
-
-
-async def ride_out(call: Callable[[], Awaitable[T]], *, for_seconds: float, what: str) -> T:
+async def _ride_out_async(call: Callable[[], Awaitable[T]], *, for_seconds: float, what: str) -> T:
     """``await call()``, retried with backoff while the database is unreachable, for at most ``for_seconds``.
 
     The last error is raised when the time is up (``reraise``); any other error at once.
@@ -120,3 +132,42 @@ async def ride_out(call: Callable[[], Awaitable[T]], *, for_seconds: float, what
             log.warning("ledger reachable again after %.1f s (%s)", time.monotonic() - started, what)
         return result
     raise AssertionError("unreachable: tenacity re-raises the last error")
+
+
+def ride_out(ledger: Ledger, call: Callable[[], T], *, what: str) -> T:
+    """``call()`` (one Ledger transaction) for a synchronous caller (ingest), retried like :meth:`AsyncLedger.call`
+    for up to LEDGER_RETRY_SECONDS."""
+    for_seconds = _ride_out_seconds(ledger, LEDGER_RETRY_SECONDS)
+    if for_seconds <= 0:
+        return call()
+    return Retrying(**_policy(for_seconds, what))(call)
+
+
+class AsyncLedger:
+    """A ledger's calls from the event loop, on one thread of their own, riding out a lost connection.
+
+    One per runner or worker; :meth:`close` at its end. ``ride_out_seconds`` is how
+    long a call cut by a PostgreSQL restart is retried before its error is raised.
+    """
+
+    def __init__(
+        self, ledger: Ledger, *, ride_out_seconds: float = LEDGER_RETRY_SECONDS, thread_name: str = "batchrun-ledger"
+    ) -> None:
+        self.ledger = ledger
+        self.ride_out_seconds = _ride_out_seconds(ledger, ride_out_seconds)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the ledger's thread (one call at a time, in the order asked), retried whole
+        while the database is unreachable; its result, or its error."""
+        loop = asyncio.get_running_loop()
+        return await _ride_out_async(
+            lambda: loop.run_in_executor(self._thread, fn, *args),
+            for_seconds=self.ride_out_seconds,
+            what=getattr(fn, "__name__", "ledger"),
+        )
+
+    def close(self, *, wait: bool = True) -> None:
+        """End the thread; with ``wait``, once the call on it has returned (without, a call stuck on
+        an unreachable database does not hold up the caller's exit)."""
+        self._thread.shutdown(wait=wait)
