@@ -10,6 +10,7 @@ the same engine, and neither calls the other.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -92,6 +93,7 @@ class SharedOutputs:
     both_succeeded: int
 
 
+RECONNECT_PAUSE_S = 1.0  # between tries to reopen an export's cursor while the server is away
 _ITEM_ROW_COLUMNS = item_columns(ItemRow, {"item_id": "id"})
 
 
@@ -428,8 +430,9 @@ class LedgerQueries:
             # One query through a server-side cursor: rows arrive ``chunk`` at a time. If the
             # session ends meanwhile (this process stalled mid-export past PostgreSQL's
             # idle-in-transaction timeout, or the server restarted), a new cursor carries on
-            # after the last line read.
-            last, lost = -1, 0
+            # after the last line read, once the server answers again (for up to
+            # LEDGER_RETRY_SECONDS without a row read).
+            last, stuck_since = -1, None
             while True:
                 try:
                     with self.engine.connect() as conn:
@@ -447,9 +450,15 @@ class LedgerQueries:
                                 result.close()  # also when the caller stops early: the cursor goes now
                     return
                 except DBAPIError as exc:
-                    lost += 1
-                    if not exc.connection_invalidated or lost > 3:
+                    from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, is_transient
+
+                    if not is_transient(exc):
                         raise
+                    if stuck_since is None or stuck_since[0] != last:
+                        stuck_since = (last, time.monotonic())
+                    elif time.monotonic() - stuck_since[1] > LEDGER_RETRY_SECONDS:
+                        raise
+                    time.sleep(RECONNECT_PAUSE_S)
         # SQLite: keyset pages, so no read transaction stays open (and holds back the WAL) for the export.
         last = -1
         while True:

@@ -7,6 +7,7 @@ with real processes frozen by SIGSTOP.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -363,3 +364,84 @@ def test_a_late_answer_lands_on_an_item_another_run_failed(ledger: Ledger) -> No
     assert [(r.state, r.output, r.error_class) for r in LedgerQueries(ledger.engine).iter_items(job_id)] == [
         (ItemState.SUCCEEDED, "late", None), (ItemState.SUCCEEDED, "late", None),
     ]
+
+
+class _Proxy:
+    """A TCP proxy to PostgreSQL that can cut every session and refuse new ones for a while: the
+    server restarting, as a client sees it."""
+
+    def __init__(self, port: int = 5432) -> None:
+        import socket
+        import threading
+
+        self._target = ("127.0.0.1", port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.refusing = False
+        self._pairs: list[tuple[Any, Any]] = []
+        self._threading = threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if self.refusing:
+                client.close()
+                continue
+            server = socket.create_connection(self._target)
+            self._pairs.append((client, server))
+            for a, b in ((client, server), (server, client)):
+                self._threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def restart(self, down_for: float) -> None:
+        """Cut every session now; refuse connections for ``down_for`` seconds."""
+        import socket
+
+        self.refusing = True
+        for client, server in self._pairs:
+            for s in (client, server):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+        self._pairs.clear()
+        timer = self._threading.Timer(down_for, lambda: setattr(self, "refusing", False))
+        timer.daemon = True
+        timer.start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_an_export_rides_out_a_server_restart(pg_url: str) -> None:
+    """The export's cursor is cut by a restart and the server refuses connections for a while (chaos
+    round 10025: a traceback): the export waits for it and carries on after the last line read."""
+    proxy = _Proxy()
+    url = pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    assert url != pg_url
+    ledger = Ledger.open(url)
+    try:
+        job_id = make_job(ledger, 250)
+        rows = LedgerQueries(ledger.engine).iter_items(job_id, chunk=100)
+        first = [next(rows) for _ in range(30)]
+        proxy.restart(down_for=2.0)
+        lines = [r.line for r in first] + [r.line for r in rows]
+        assert lines == list(range(1, 251))
+    finally:
+        ledger.close()
+        proxy.close()
