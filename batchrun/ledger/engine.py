@@ -202,7 +202,8 @@ def open_engine(db: str | os.PathLike[str] | None) -> Engine:
             "(for PostgreSQL install batchrun[postgres])"
         ) from exc
     except (SQLAlchemyError, OSError, ValueError) as exc:
-        raise LedgerError(f"cannot open ledger {_safe_url(url)}: {exc}") from exc
+        cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise LedgerError(f"cannot open ledger {_safe_url(url)}: {cause}") from exc
     return engine
 
 

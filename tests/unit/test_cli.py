@@ -36,3 +36,15 @@ def test_other_errors_are_not_swallowed() -> None:
     assert isinstance(result.exception, KeyError)
     with pytest.raises(KeyError):
         _command(KeyError("bug")).main([], standalone_mode=False)
+
+
+def test_a_ledger_that_cannot_be_opened_is_one_line() -> None:
+    """Nothing was done: a usage error (exit 2), in one line (psycopg's hint and SQLAlchemy's
+    background link are left out)."""
+    from batchrun.cli import main
+
+    result = CliRunner().invoke(main, ["status", "--db", "postgresql+psycopg://postgres@127.0.0.1:9/test"])
+    assert result.exit_code == ExitCode.USAGE, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "cannot open ledger postgresql+psycopg://postgres@127.0.0.1:9/test" in lines[0]
+    assert "Connection refused" in lines[0]
