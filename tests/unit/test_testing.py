@@ -1,4 +1,4 @@
-"""Tests for batchrun.testing.FakeProviderServer, run against the real server over TCP."""
+"""batchrun.testing: the fake server run over real TCP (HTTP, faults, API shapes, log, CLI)."""
 
 from __future__ import annotations
 
