@@ -29,7 +29,7 @@ Faults (:class:`Faults`) are drawn per request from a seeded generator and each 
 in its own shape. The log (:class:`RequestRecord`) holds the usage each answer reported, so a
 client's totals can be compared with the server's exactly.
 
-The package, one room per concern:
+The package, one module per concern:
 
 - ``server``: :class:`FakeProviderServer` (listener thread, routing, lifecycle, request log);
 - ``wire``: HTTP/1.1 written directly on ``asyncio`` streams, so that connection resets, hangs,
