@@ -9,7 +9,7 @@ from batchrun.bundled import bundled_dir
 from batchrun.jobs import prepare_job
 from batchrun.ledger import Ledger, default_db_path
 from batchrun.spec import Overrides, load_spec
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 
 EXAMPLES = {"summarize": ("summarize.toml", "summarize.jsonl"), "triage": ("triage.toml", "triage.jsonl")}
 # Enough trouble to show retries, the shared 429 pause and re-asks; little enough to finish in seconds.
@@ -19,8 +19,8 @@ DEMO_FAULTS = Faults(
 )
 
 
-def demo_server() -> FakeOpenAIServer:
-    return FakeOpenAIServer(DEMO_FAULTS)
+def demo_server() -> FakeProviderServer:
+    return FakeProviderServer(DEMO_FAULTS)
 
 
 def prepare_demo(ledger: Ledger, base_url: str, example: str = "summarize") -> tuple[int, Path]:

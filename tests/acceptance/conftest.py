@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 
 
 def batchrun_cmd(*args: str) -> list[str]:
@@ -36,6 +36,6 @@ def start_cli(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
 
 
 @pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(Faults(seed=3), record_bodies=True) as srv:
+def server() -> Iterator[FakeProviderServer]:
+    with FakeProviderServer(Faults(seed=3), record_bodies=True) as srv:
         yield srv

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 
 from .conftest import run_cli
 
@@ -28,7 +28,7 @@ concurrency = 16
 """
 
 
-def write_spec(tmp_path: Path, server: FakeOpenAIServer, run: str = "", name: str = "job.toml") -> Path:
+def write_spec(tmp_path: Path, server: FakeProviderServer, run: str = "", name: str = "job.toml") -> Path:
     path = tmp_path / name
     path.write_text(SPEC.format(base_url=server.base_url, run=run))
     return path
@@ -40,11 +40,11 @@ def write_records(tmp_path: Path, n: int) -> Path:
     return path
 
 
-def billed(server: FakeOpenAIServer) -> float:
+def billed(server: FakeProviderServer) -> float:
     return sum(r.prompt_tokens * 1000.0 + r.completion_tokens * 4000.0 for r in server.log if r.status == 200) / 1e6
 
 
-def test_budget_stops_with_exit_4_and_resume_with_more_finishes(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_budget_stops_with_exit_4_and_resume_with_more_finishes(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(latency_s=0.02)
     spec, records, db, out = write_spec(tmp_path, server), write_records(tmp_path, 80), tmp_path / "l.db", tmp_path / "out.jsonl"
 
@@ -81,7 +81,7 @@ def test_budget_stops_with_exit_4_and_resume_with_more_finishes(tmp_path: Path, 
     assert final["cost_usd"] == pytest.approx(billed(server)) and final["cost_usd"] <= 50
 
 
-def test_spec_budget_and_bad_budgets(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_spec_budget_and_bad_budgets(tmp_path: Path, server: FakeProviderServer) -> None:
     records, db = write_records(tmp_path, 30), tmp_path / "l.db"
     in_spec = write_spec(tmp_path, server, "budget_usd = 2.0")
     proc = run_cli(tmp_path, "submit", str(in_spec), "--input", str(records), "--db", str(db), "--quiet", "--json")
@@ -106,7 +106,7 @@ def test_spec_budget_and_bad_budgets(tmp_path: Path, server: FakeOpenAIServer) -
     assert infinite.returncode == 2 and "--budget-usd = inf: expected a total in USD > 0" in infinite.stderr
 
 
-def test_budget_without_a_price_exits_2_and_sends_nothing(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_budget_without_a_price_exits_2_and_sends_nothing(tmp_path: Path, server: FakeProviderServer) -> None:
     records, db = write_records(tmp_path, 5), tmp_path / "l.db"
     unpriced = tmp_path / "unpriced.toml"
     unpriced.write_text(SPEC.format(base_url=server.base_url, run="").split("[pricing]")[0].replace('"m"', '"my-model"'))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import orjson
 
-from batchrun.testing import FakeOpenAIServer
+from batchrun.testing import FakeProviderServer
 
 from .conftest import run_cli
 
@@ -32,7 +32,7 @@ def write_records(path: Path, n: int) -> Path:
 
 
 def test_next_day_same_file_plus_ten_percent_only_new_records_reach_the_server(
-    tmp_path: Path, server: FakeOpenAIServer
+    tmp_path: Path, server: FakeProviderServer
 ) -> None:
     spec = tmp_path / "job.toml"
     spec.write_text(SPEC.format(base_url=server.base_url))

@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 
 from .conftest import run_cli, start_cli
 
@@ -26,7 +26,7 @@ concurrency = 4
 """
 
 
-def write_spec(tmp_path: Path, server: FakeOpenAIServer, text: str = SPEC) -> Path:
+def write_spec(tmp_path: Path, server: FakeProviderServer, text: str = SPEC) -> Path:
     path = tmp_path / "job.toml"
     path.write_text(text.format(base_url=server.base_url))
     return path
@@ -39,7 +39,7 @@ def write_records(tmp_path: Path, n: int, extra: list[bytes] | None = None) -> P
     return path
 
 
-def test_submit_status_list_export(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_submit_status_list_export(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 20, [b"{broken"]), tmp_path / "l.db"
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--output", str(out), "--errors", str(errors))
@@ -82,7 +82,7 @@ def test_submit_status_list_export(tmp_path: Path, server: FakeOpenAIServer) -> 
     assert last["response"] is None and last["error"]["code"] == "invalid_json"
 
 
-def test_resubmit_is_idempotent(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_resubmit_is_idempotent(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 10), tmp_path / "l.db"
     first = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--json")
     assert first.returncode == 0, first.stderr
@@ -98,7 +98,7 @@ def test_resubmit_is_idempotent(tmp_path: Path, server: FakeOpenAIServer) -> Non
     assert fresh.stdout.splitlines()[0] == "3" and len(server.log) == 20
 
 
-def test_export_never_clobbers_a_foreign_file(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_export_never_clobbers_a_foreign_file(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 3), tmp_path / "l.db"
     out = tmp_path / "precious.jsonl"
     out.write_text("my own data\n")
@@ -138,14 +138,14 @@ def test_usage_errors_exit_2_without_traceback(tmp_path: Path, args: list[str], 
     assert "Traceback" not in proc.stderr
 
 
-def test_bad_spec_names_file_and_key(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_bad_spec_names_file_and_key(tmp_path: Path, server: FakeProviderServer) -> None:
     spec = write_spec(tmp_path, server, SPEC.replace("concurrency = 4", "concurrency = 'lots'"))
     proc = run_cli(tmp_path, "submit", str(spec), "--input", str(write_records(tmp_path, 1)), "--db", str(tmp_path / "l.db"))
     assert proc.returncode == 2
     assert f"{spec}: [run] concurrency = 'lots': expected an integer" in proc.stderr
 
 
-def test_strict_refuses_bad_input_and_sends_nothing(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_strict_refuses_bad_input_and_sends_nothing(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, db = write_spec(tmp_path, server), tmp_path / "l.db"
     records = write_records(tmp_path, 5, [b'{"id": "x"}'])
     proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--strict")
@@ -155,7 +155,7 @@ def test_strict_refuses_bad_input_and_sends_nothing(tmp_path: Path, server: Fake
     assert orjson.loads(run_cli(tmp_path, "list", "--json", "--db", str(db)).stdout) == []
 
 
-def test_auth_refused_exits_3(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_auth_refused_exits_3(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(status_override=401)
     spec, records = write_spec(tmp_path, server), write_records(tmp_path, 50)
     proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(tmp_path / "l.db"))
@@ -165,7 +165,7 @@ def test_auth_refused_exits_3(tmp_path: Path, server: FakeOpenAIServer) -> None:
     assert len(server.log) <= 4
 
 
-def test_second_runner_exits_75_naming_the_holder(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_second_runner_exits_75_naming_the_holder(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(latency_s=0.2)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 300), tmp_path / "l.db"
     first = start_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--quiet")
@@ -183,7 +183,7 @@ def test_second_runner_exits_75_naming_the_holder(tmp_path: Path, server: FakeOp
     assert set(server.requests_by_key().values()) == {1}
 
 
-def test_retry_and_cancel(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_retry_and_cancel(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(status_override=500)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 4), tmp_path / "l.db"
     proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--max-attempts", "2")
@@ -199,7 +199,7 @@ def test_retry_and_cancel(tmp_path: Path, server: FakeOpenAIServer) -> None:
 
 
 
-def test_cancel_leaves_finished_items_and_sends_nothing_more(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_cancel_leaves_finished_items_and_sends_nothing_more(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(latency_s=0.1)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 200), tmp_path / "l.db"
     first = start_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--quiet")
@@ -252,7 +252,7 @@ validation_retries = 0
 """
 
 
-def test_structured_retry_with_more_tokens_and_revalidate(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_structured_retry_with_more_tokens_and_revalidate(tmp_path: Path, server: FakeProviderServer) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}
     (tmp_path / "s.json").write_bytes(orjson.dumps(schema))
     spec = tmp_path / "job.toml"
@@ -285,7 +285,7 @@ def test_structured_retry_with_more_tokens_and_revalidate(tmp_path: Path, server
     assert bad.returncode == 2 and "not valid JSON" in bad.stderr
 
 
-def test_bad_schema_in_spec_is_refused_before_sending(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_bad_schema_in_spec_is_refused_before_sending(tmp_path: Path, server: FakeProviderServer) -> None:
     (tmp_path / "s.json").write_text('{"type": "object", "properties": {"a": {"type": "strin"}}}')
     spec = tmp_path / "job.toml"
     spec.write_text(TRIAGE_LIKE.format(base_url=server.base_url, max_tokens=5))
@@ -295,7 +295,7 @@ def test_bad_schema_in_spec_is_refused_before_sending(tmp_path: Path, server: Fa
     assert len(server.log) == 0
 
 
-def test_non_strict_schema_warns(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_non_strict_schema_warns(tmp_path: Path, server: FakeProviderServer) -> None:
     (tmp_path / "s.json").write_text('{"type": "object", "properties": {"a": {"type": "string"}}}')
     spec = tmp_path / "job.toml"
     spec.write_text(TRIAGE_LIKE.format(base_url=server.base_url, max_tokens=50))
@@ -319,7 +319,7 @@ def test_demo_triage(tmp_path: Path) -> None:
             assert line["status"] == "invalid_output" and line["error"]["class"] in ("truncated", "schema_invalid")
 
 
-def test_max_runtime_stops_cleanly_with_exit_75(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_max_runtime_stops_cleanly_with_exit_75(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(latency_s=0.1)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 200), tmp_path / "l.db"
     started = time.monotonic()
@@ -336,7 +336,7 @@ def test_max_runtime_stops_cleanly_with_exit_75(tmp_path: Path, server: FakeOpen
     assert set(server.requests_by_key().values()) == {1}
 
 
-def test_resume_finishes_an_interrupted_ingest(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_resume_finishes_an_interrupted_ingest(tmp_path: Path, server: FakeProviderServer) -> None:
     from batchrun.ingest import hash_input
     from batchrun.ledger import Ledger
     from batchrun.spec import load_spec
@@ -364,7 +364,7 @@ def test_resume_finishes_an_interrupted_ingest(tmp_path: Path, server: FakeOpenA
     assert "was interrupted while reading its input" in changed.stderr
 
 
-def test_sigterm_during_a_long_retry_after_exits_at_once(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_sigterm_during_a_long_retry_after_exits_at_once(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(p_429=1.0, retry_after_s=120)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 20), tmp_path / "l.db"
     proc = start_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--quiet")
@@ -379,7 +379,7 @@ def test_sigterm_during_a_long_retry_after_exits_at_once(tmp_path: Path, server:
     assert time.monotonic() - started < 10  # the shared pause is interrupted, not waited out
 
 
-def test_errors_target_is_checked_before_sending(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_errors_target_is_checked_before_sending(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records = write_spec(tmp_path, server), write_records(tmp_path, 5)
     precious = tmp_path / "precious.txt"
     precious.write_text("keep me\n")
@@ -439,13 +439,13 @@ def test_bad_paths_and_urls_exit_2_without_traceback(tmp_path: Path, args: list[
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_non_finite_spec_numbers_are_refused(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_non_finite_spec_numbers_are_refused(tmp_path: Path, server: FakeProviderServer) -> None:
     spec = write_spec(tmp_path, server, SPEC.replace("concurrency = 4", "concurrency = 4\nlease_seconds = nan"))
     proc = run_cli(tmp_path, "submit", str(spec), "--input", str(write_records(tmp_path, 1)), "--db", str(tmp_path / "l.db"))
     assert proc.returncode == 2 and "[run] lease_seconds = nan: expected a finite number" in proc.stderr
 
 
-def test_log_file_gets_json_lines_with_progress_records(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_log_file_gets_json_lines_with_progress_records(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(seed=2, latency_s=0.02, p_500=0.1)
     spec, records, db, log_file = write_spec(tmp_path, server), write_records(tmp_path, 60), tmp_path / "l.db", tmp_path / "run.jsonl"
     proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--quiet",
@@ -472,7 +472,7 @@ def test_log_file_gets_json_lines_with_progress_records(tmp_path: Path, server: 
     assert "(reused 60)" in again.stderr  # the progress line on stderr says so too
 
 
-def test_log_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_log_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records = write_spec(tmp_path, server), write_records(tmp_path, 3)
     proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(tmp_path / "l.db"),
                    "--log-file", str(tmp_path / "no" / "such" / "dir.jsonl"))

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from batchrun.testing import FakeOpenAIServer
+from batchrun.testing import FakeProviderServer
 
 from .conftest import run_cli
 
@@ -47,7 +47,7 @@ def ledgers_under(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.suffix in (".db", ".db-wal", ".db-shm")]
 
 
-def test_dry_run_counts_estimates_and_leaves_nothing_behind(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_dry_run_counts_estimates_and_leaves_nothing_behind(tmp_path: Path, server: FakeProviderServer) -> None:
     spec = tmp_path / "job.toml"
     spec.write_text(SPEC.format(base_url=server.base_url))
     records, db = write_input(tmp_path), tmp_path / "ledger.db"
@@ -87,7 +87,7 @@ def test_dry_run_counts_estimates_and_leaves_nothing_behind(tmp_path: Path, serv
     assert server.log == [] and ledgers_under(tmp_path) == []
 
 
-def test_dry_run_includes_the_structured_output_request(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_dry_run_includes_the_structured_output_request(tmp_path: Path, server: FakeProviderServer) -> None:
     records = write_input(tmp_path)
     plain = tmp_path / "plain.toml"
     plain.write_text(SPEC.format(base_url=server.base_url))
@@ -107,7 +107,7 @@ def test_dry_run_includes_the_structured_output_request(tmp_path: Path, server: 
     assert server.log == [] and ledgers_under(tmp_path) == []
 
 
-def test_dry_run_of_batch_lines_at_a_list_price(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_dry_run_of_batch_lines_at_a_list_price(tmp_path: Path, server: FakeProviderServer) -> None:
     def line(custom_id: str, content: str, **body: object) -> bytes:
         return orjson.dumps({
             "custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
@@ -150,7 +150,7 @@ def test_dry_run_of_batch_lines_at_a_list_price(tmp_path: Path, server: FakeOpen
     assert server.log == [] and ledgers_under(tmp_path) == []
 
 
-def test_dry_run_strict_and_spec_errors_exit_2(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_dry_run_strict_and_spec_errors_exit_2(tmp_path: Path, server: FakeProviderServer) -> None:
     spec = tmp_path / "job.toml"
     spec.write_text(SPEC.format(base_url=server.base_url))
     records = write_input(tmp_path)

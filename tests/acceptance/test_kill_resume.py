@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 
 from .conftest import run_cli, start_cli
 
@@ -65,7 +65,7 @@ def check_output(path: Path, n: int) -> None:
         assert line["output"] == f"echo: record {line['custom_id'].removeprefix('rec-')}"
 
 
-def test_sigkill_midway_then_resume(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_sigkill_midway_then_resume(tmp_path: Path, server: FakeProviderServer) -> None:
     n = 1500
     server.faults = Faults(latency_s=0.02, latency_jitter_s=0.02, p_500=0.03, p_reset=0.01, seed=11)
     src, db, out = tmp_path / "in.jsonl", tmp_path / "ledger.db", tmp_path / "out.jsonl"
@@ -104,7 +104,7 @@ def test_sigkill_midway_then_resume(tmp_path: Path, server: FakeOpenAIServer) ->
     assert sum(1 for v in server.ok_by_key().values() if v > 1) <= CONCURRENCY
 
 
-def test_sigterm_exits_75_and_resume_finishes(tmp_path: Path, server: FakeOpenAIServer) -> None:
+def test_sigterm_exits_75_and_resume_finishes(tmp_path: Path, server: FakeProviderServer) -> None:
     n = 600
     server.faults = Faults(latency_s=0.03)
     src, db, out = tmp_path / "in.jsonl", tmp_path / "ledger.db", tmp_path / "out.jsonl"

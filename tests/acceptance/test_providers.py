@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 
 from .conftest import batchrun_cmd, cli_env
 
@@ -76,7 +76,7 @@ def test_same_job_on_every_api(tmp_path: Path, kind: str, stream: bool) -> None:
     faults = Faults(seed=11, p_429=0.03, retry_after_s=0.05, p_500=0.03, p_overloaded=0.03, p_reset=0.02,
                     p_stream_drop=0.03 if stream else 0.0, p_stream_error=0.02 if stream else 0.0,
                     stream_chunk_delay_s=0.001 if stream else 0.0)
-    with FakeOpenAIServer(faults, api_key=KEY) as server:
+    with FakeProviderServer(faults, api_key=KEY) as server:
         spec = tmp_path / "job.toml"
         spec.write_text(SPEC.format(kind=kind, base_url=server.base_url, stream=str(stream).lower()))
         db, out = tmp_path / "ledger.db", tmp_path / "out.jsonl"
@@ -168,7 +168,7 @@ def test_a_key_echoed_by_the_server_is_masked_everywhere(tmp_path: Path, echoing
 
 
 def test_check_reports_a_streamed_structured_answer(tmp_path: Path) -> None:
-    with FakeOpenAIServer(Faults(seed=1, latency_s=0.05, stream_chunk_delay_s=0.005), api_key=KEY) as server:
+    with FakeProviderServer(Faults(seed=1, latency_s=0.05, stream_chunk_delay_s=0.005), api_key=KEY) as server:
         spec = tmp_path / "job.toml"
         (tmp_path / "schema.json").write_bytes(orjson.dumps(SCHEMA))
         spec.write_text(SPEC.format(kind="anthropic", base_url=server.base_url, stream="true")
@@ -193,7 +193,7 @@ def test_structured_output_is_validated_and_re_asked_on_every_api(tmp_path: Path
     the same validation: spoiled answers are re-asked and end valid; refusals end invalid_output."""
     faults = Faults(seed=4, p_schema_violation=0.15, p_fenced=0.1, p_refusal=0.05, output_faults_on_reask=False)
     n = 80
-    with FakeOpenAIServer(faults, api_key=KEY) as server:
+    with FakeProviderServer(faults, api_key=KEY) as server:
         (tmp_path / "schema.json").write_bytes(orjson.dumps(SCHEMA))
         spec = tmp_path / "job.toml"
         spec.write_text(SPEC.format(kind=kind, base_url=server.base_url, stream=str(stream).lower())
@@ -226,7 +226,7 @@ def test_anthropic_batch_lines_without_a_spec_and_the_anthropic_batch_export(tmp
                   "body": {"model": "m", "messages": [{"role": "user", "content": "x"}]}})
     path = tmp_path / "claude.jsonl"
     path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
-    with FakeOpenAIServer(Faults(seed=3, p_overloaded=0.1), api_key=KEY) as server:
+    with FakeProviderServer(Faults(seed=3, p_overloaded=0.1), api_key=KEY) as server:
         db, out = tmp_path / "l.db", tmp_path / "out.jsonl"
         code, stdout, stderr = run(tmp_path, "submit", "--input", str(path), "--provider", "anthropic",
                                    "--base-url", server.anthropic_base_url, "--db", str(db), "--output", str(out),
@@ -241,7 +241,7 @@ def test_anthropic_batch_lines_without_a_spec_and_the_anthropic_batch_export(tmp
     assert results["bad"]["type"] == "errored" and results["bad"]["error"]["type"] == "error"
     assert {r.api for r in log} == {"messages"} and sum(r.outcome == "ok" for r in log) == 20
     # the same lines through a spec that converts OpenAI Batch lines as well
-    with FakeOpenAIServer(Faults(seed=3), api_key=KEY) as server:
+    with FakeProviderServer(Faults(seed=3), api_key=KEY) as server:
         spec = tmp_path / "convert.toml"
         spec.write_text(f'[provider]\nkind = "anthropic"\nbase_url = "{server.anthropic_base_url}"\n'
                         'convert_openai_input = true\n[request]\nmax_tokens = 64\n')
@@ -257,7 +257,7 @@ def test_check_without_a_spec_sends_one_batch_line(tmp_path: Path) -> None:
     path.write_bytes(b"".join(orjson.dumps({"custom_id": f"c{i}", "params": {
         "model": "claude-x", "max_tokens": 50, "messages": [{"role": "user", "content": f"Say hello {i}"}]}}) + b"\n"
         for i in range(3)))
-    with FakeOpenAIServer(Faults(seed=1), api_key=KEY) as server:
+    with FakeProviderServer(Faults(seed=1), api_key=KEY) as server:
         code, stdout, stderr = run(tmp_path, "check", "--input", str(path), "--line", "2", "--provider", "anthropic",
                                    "--base-url", server.anthropic_base_url, "--json")
         [seen] = server.log

@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from batchrun.testing import FakeOpenAIServer
+from batchrun.testing import FakeProviderServer
 
 from .conftest import run_cli, start_cli
 from .test_cli import SPEC
@@ -81,7 +81,7 @@ def open_for_writing(fifo: Path, proc: subprocess.Popen[str], timeout: float = 3
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_while_the_spec_is_read_stops_before_anything_is_stored(
-    tmp_path: Path, server: FakeOpenAIServer, signum: int
+    tmp_path: Path, server: FakeProviderServer, signum: int
 ) -> None:
     spec = tmp_path / "job.toml"
     os.mkfifo(spec)
@@ -113,7 +113,7 @@ def test_a_signal_while_the_spec_is_read_stops_before_anything_is_stored(
 
 
 def test_a_signal_at_any_moment_of_a_submit_exits_75_and_carrying_on_finishes_it(
-    tmp_path: Path, server: FakeOpenAIServer
+    tmp_path: Path, server: FakeProviderServer
 ) -> None:
     """From the moment the command can catch a signal to its end: spec, ledger, ingest, the
     imports before the run, the run, the export. Each outcome is 75 (or 0 when the signal

@@ -21,7 +21,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
 from batchrun.ledger import resolve_db_url
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 
 from .conftest import run_cli, start_cli
 
@@ -82,7 +82,7 @@ def wait_until(predicate: object, timeout: float = 60.0, what: str = "") -> None
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def write_spec(tmp_path: Path, server: FakeOpenAIServer, template: str = SPEC, **fields: object) -> Path:
+def write_spec(tmp_path: Path, server: FakeProviderServer, template: str = SPEC, **fields: object) -> Path:
     path = tmp_path / "job.toml"
     path.write_text(template.format(base_url=server.base_url, concurrency=CONCURRENCY, lease=LEASE, **fields))
     return path
@@ -133,7 +133,7 @@ def test_a_frozen_run_taken_over_stops_and_pays_for_nothing_twice(
     the woken run, still the holder, finishes the job itself.
     """
     n = 1500
-    with FakeOpenAIServer(Faults(latency_s=0.05, latency_jitter_s=0.05, seed=5)) as server:
+    with FakeProviderServer(Faults(latency_s=0.05, latency_jitter_s=0.05, seed=5)) as server:
         spec, src, out = write_spec(tmp_path, server), tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         ids = batch_input(src, n)
         first = start_cli(tmp_path, "submit", str(spec), "--input", str(src), "--db", db_url, "--quiet")
@@ -175,7 +175,7 @@ def test_an_overlapping_submit_during_a_frozen_ingest_stores_every_line_once(
     over; the first, woken, writes nothing more. Every line is stored once (bad lines as one
     rejected row each), and the export lists every good record exactly once."""
     n = 16_000  # four batches: the freeze comes after the first
-    with FakeOpenAIServer(Faults(seed=7)) as server:
+    with FakeProviderServer(Faults(seed=7)) as server:
         spec, src, out = write_spec(tmp_path, server), tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         ids = batch_input(src, n, bad_every=97)
         first = start_cli(tmp_path, "submit", str(spec), "--input", str(src), "--db", db_url, "--quiet",
@@ -209,7 +209,7 @@ def test_an_overlapping_submit_during_a_frozen_ingest_stores_every_line_once(
     assert counts["succeeded"] == len(ids) and counts["rejected"] == n - len(ids)
 
 
-def resent_questions(server: FakeOpenAIServer, event_at: float) -> set[tuple[str, int]]:
+def resent_questions(server: FakeProviderServer, event_at: float) -> set[tuple[str, int]]:
     """Questions paid for before ``event_at`` (answered, or still open then) and asked again after it.
 
     A question is (record, how many invalid answers it carries): the first ask and each re-ask."""
@@ -233,7 +233,7 @@ def test_a_stop_during_re_asks_re_sends_at_most_the_concurrency(
     requests in flight are asked again; after SIGTERM (in-flight requests finish) none."""
     n = 300
     faults = Faults(latency_s=0.2, latency_jitter_s=0.05, p_schema_violation=1.0, output_faults_on_reask=False, seed=9)
-    with FakeOpenAIServer(faults, record_bodies=True) as server:
+    with FakeProviderServer(faults, record_bodies=True) as server:
         spec = write_spec(tmp_path, server, SCHEMA_SPEC)
         src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         src.write_bytes(b"".join(orjson.dumps({"id": f"r{i}", "n": i}) + b"\n" for i in range(n)))

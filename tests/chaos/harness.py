@@ -10,7 +10,7 @@ A round (see README.md in this folder):
    ``submit`` started while the first is frozen — or an overlapping ``submit`` while the first
    runs) at moments of the job (start-up/ingest, run, re-asks, export);
 2. runs ``batchrun submit`` as a subprocess against an in-process
-   :class:`batchrun.testing.FakeOpenAIServer`, applies the events, then ``batchrun resume 1``
+   :class:`batchrun.testing.FakeProviderServer`, applies the events, then ``batchrun resume 1``
    until the job is finished (exit 0 or 1; 75 carries on) and ``batchrun export``;
 3. checks the ledger, every export, the server's log and every file of the round (see
    :meth:`Round.check`). Each problem is one line of text; a round passes with none.
@@ -39,8 +39,8 @@ from typing import Any
 
 import orjson
 
-from batchrun.testing import FakeOpenAIServer, Faults, RequestRecord
-from batchrun.testing import _instance as schema_instance  # the fake model's structured answer
+from batchrun.testing import FakeProviderServer, Faults, RequestRecord
+from batchrun.testing.answers import schema_instance  # the fake model's structured answer
 
 PG_URL = os.environ.get("BATCHRUN_TEST_PG")
 JOB_ID = 1  # every round has a fresh ledger: its one job is job 1
@@ -691,7 +691,7 @@ class Round:
         self.api_key = "sk-chaos-" + uuid.uuid4().hex + uuid.uuid4().hex[:8]
         self.key_env = "CHAOS_KEY_" + uuid.uuid4().hex[:8].upper()
         self.pg_schema: str | None = None
-        self.server: FakeOpenAIServer | None = None
+        self.server: FakeProviderServer | None = None
         self.db: LedgerDb | None = None
         self.specs: list[LineSpec] = []
         self.server_log: list[RequestRecord] = []  # what the fake server answered, read once every run ended
@@ -821,7 +821,7 @@ class Round:
                 self.db = LedgerDb("postgres", pg_schema=self.pg_schema)
             else:
                 self.db = LedgerDb("sqlite", sqlite_path=self.p["db"])
-            self.server = FakeOpenAIServer(plan.faults, api_key=self.api_key, log_path=self.folder / "server.log")
+            self.server = FakeProviderServer(plan.faults, api_key=self.api_key, log_path=self.folder / "server.log")
             self.server.start()
             base = self.server.anthropic_base_url if plan.kind == "anthropic" else self.server.base_url
             write_spec(plan, self.folder, base, self.key_env)

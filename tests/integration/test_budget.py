@@ -17,7 +17,7 @@ from batchrun.jobs import RunSummary, prepare_job, run_job
 from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, parse_spec
-from batchrun.testing import FakeOpenAIServer, Faults, RequestRecord
+from batchrun.testing import FakeProviderServer, Faults, RequestRecord
 from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
@@ -26,12 +26,12 @@ MAX_TOKENS = 60
 
 
 @pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(Faults(seed=1)) as srv:
+def server() -> Iterator[FakeProviderServer]:
+    with FakeProviderServer(Faults(seed=1)) as srv:
         yield srv
 
 
-def job_spec(server: FakeOpenAIServer, **run: Any) -> JobSpec:
+def job_spec(server: FakeProviderServer, **run: Any) -> JobSpec:
     return parse_spec(
         {
             "provider": {"base_url": server.base_url, "model": "m"},
@@ -85,7 +85,7 @@ def run(ledger: Ledger, job_id: int, **over: Any) -> RunSummary:
 
 
 def test_budget_holds_at_concurrency_64_and_resume_with_more_finishes(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     n = 600
     # 500s (not billed: settle to 0) and truncated 200s (billed, usage unknown: kept at the worst case).
@@ -127,7 +127,7 @@ def test_budget_holds_at_concurrency_64_and_resume_with_more_finishes(
 
 
 def test_budget_is_used_to_the_last_request_that_fits(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(latency_s=0.02)
     texts = [f"{i:04d}" + "y" * 196 for i in range(300)]  # all 200 characters: one price per answer
@@ -147,7 +147,7 @@ def test_budget_is_used_to_the_last_request_that_fits(
 
 
 def test_a_spent_budget_sends_nothing_until_it_is_raised(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     job_id = prepare_job(ledger, job_spec(server, concurrency=8, budget_usd=0.5), write_jsonl(records(40))).job_id
     first = run(ledger, job_id)  # the spec's own budget
@@ -164,7 +164,7 @@ def test_a_spent_budget_sends_nothing_until_it_is_raised(
 
 
 def test_error_answers_are_free_and_timeouts_count_at_their_worst_case(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     spec = job_spec(server, concurrency=4, max_attempts=3)
     lines = [{"id": f"r{i}", "text": f"{i}" + "x" * 99} for i in range(5)]
@@ -187,7 +187,7 @@ def test_error_answers_are_free_and_timeouts_count_at_their_worst_case(
 
 
 def test_a_budget_without_a_price_sends_nothing(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     unpriced = parse_spec(
         {"provider": {"base_url": server.base_url, "model": "my-model"}, "request": {"template": "{text}"}},

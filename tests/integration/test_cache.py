@@ -16,7 +16,7 @@ from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.report import job_status, status_lines
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, load_spec
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
@@ -29,8 +29,8 @@ SCHEMA = {
 
 
 @pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(Faults(seed=3)) as srv:
+def server() -> Iterator[FakeProviderServer]:
+    with FakeProviderServer(Faults(seed=3)) as srv:
         yield srv
 
 
@@ -85,7 +85,7 @@ def run(ledger: Ledger, job_id: int, **over: object) -> RunSummary:
     return asyncio.run(run_job(ledger, job_id, overrides=Overrides(**over), options=FAST))  # type: ignore[arg-type]
 
 
-def sent(server: FakeOpenAIServer, since: int = 0) -> list[str | None]:
+def sent(server: FakeProviderServer, since: int = 0) -> list[str | None]:
     return [rec.key for rec in server.log[since:]]
 
 
@@ -95,7 +95,7 @@ def results(ledger: Ledger, job_id: int, path: Path) -> dict[str, dict[str, obje
 
 
 def test_next_day_only_new_records_reach_the_server(
-    tmp_path: Path, ledger: Ledger, server: FakeOpenAIServer, make_spec: Callable[..., JobSpec],
+    tmp_path: Path, ledger: Ledger, server: FakeProviderServer, make_spec: Callable[..., JobSpec],
     write_jsonl: Callable[..., Path],
 ) -> None:
     spec = make_spec(server.base_url)
@@ -151,7 +151,7 @@ def test_next_day_only_new_records_reach_the_server(
 
 
 def test_no_cache_sends_everything_and_still_files_the_answers(
-    tmp_path: Path, ledger: Ledger, server: FakeOpenAIServer, make_spec: Callable[..., JobSpec],
+    tmp_path: Path, ledger: Ledger, server: FakeProviderServer, make_spec: Callable[..., JobSpec],
     write_jsonl: Callable[..., Path],
 ) -> None:
     spec = make_spec(server.base_url)
@@ -176,7 +176,7 @@ def test_no_cache_sends_everything_and_still_files_the_answers(
 
 
 def test_a_different_model_template_or_base_url_is_a_different_request(
-    ledger: Ledger, server: FakeOpenAIServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
 ) -> None:
     path = write_jsonl(records(20))
     assert run(ledger, submit(ledger, make_spec(server.base_url), path)).exit_code == ExitCode.OK
@@ -191,14 +191,14 @@ def test_a_different_model_template_or_base_url_is_a_different_request(
         assert run(ledger, job).exit_code == ExitCode.OK
         assert len(server.log) - seen == 20, over or spec.request
         assert job_status(ledger, job)["cached"] == 0
-    with FakeOpenAIServer() as other:
+    with FakeProviderServer() as other:
         job = submit(ledger, make_spec(other.base_url, name="other"), path)
         assert run(ledger, job).exit_code == ExitCode.OK
         assert len(other.log) == 20
 
 
 def test_failed_and_invalid_answers_are_never_reused(
-    ledger: Ledger, server: FakeOpenAIServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
 ) -> None:
     path = write_jsonl(records(12))
     server.faults = Faults(status_override=400)
@@ -229,7 +229,7 @@ def test_failed_and_invalid_answers_are_never_reused(
 
 
 def test_a_reused_answer_the_job_no_longer_accepts_is_sent_again(
-    ledger: Ledger, server: FakeOpenAIServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
 ) -> None:
     """`revalidate --schema` can leave a succeeded answer a job's validator refuses; it is asked again."""
     path = write_jsonl(records(5))
@@ -249,7 +249,7 @@ def test_a_reused_answer_the_job_no_longer_accepts_is_sent_again(
 
 
 def test_the_api_key_is_not_part_of_the_request(
-    monkeypatch: pytest.MonkeyPatch, ledger: Ledger, server: FakeOpenAIServer, make_spec: Callable[..., JobSpec],
+    monkeypatch: pytest.MonkeyPatch, ledger: Ledger, server: FakeProviderServer, make_spec: Callable[..., JobSpec],
     write_jsonl: Callable[..., Path],
 ) -> None:
     spec = make_spec(server.base_url, provider='api_key_env = "CACHE_TEST_KEY"')
@@ -268,7 +268,7 @@ def test_the_api_key_is_not_part_of_the_request(
 
 
 def test_streaming_on_or_off_asks_the_same_question(
-    ledger: Ledger, server: FakeOpenAIServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
 ) -> None:
     plain = make_spec(server.base_url)
     assert run(ledger, submit(ledger, plain, write_jsonl(records(10), "day1.jsonl"))).exit_code == ExitCode.OK
@@ -282,7 +282,7 @@ def test_streaming_on_or_off_asks_the_same_question(
 
 
 def test_a_partly_failed_day_pays_only_for_what_failed(
-    ledger: Ledger, server: FakeOpenAIServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
 ) -> None:
     spec = make_spec(server.base_url, run="max_attempts = 1")
     server.faults = Faults(p_500=0.3, seed=5)

@@ -29,7 +29,7 @@ from batchrun.ledger import AttemptRecord, Ledger, LedgerQueries
 from batchrun.report import job_report, nice_step
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, load_spec, spec_for_batch_input
-from batchrun.testing import FakeOpenAIServer, Faults, RequestRecord, default_key_fn
+from batchrun.testing import FakeProviderServer, Faults, RequestRecord, default_key_fn
 from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
@@ -48,12 +48,12 @@ SCHEMA = {
 
 
 @pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(Faults(seed=1)) as srv:
+def server() -> Iterator[FakeProviderServer]:
+    with FakeProviderServer(Faults(seed=1)) as srv:
         yield srv
 
 
-def make_spec(tmp_path: Path, server: FakeOpenAIServer, *, schema: bool = False, name: str = "job", **run: Any) -> JobSpec:
+def make_spec(tmp_path: Path, server: FakeProviderServer, *, schema: bool = False, name: str = "job", **run: Any) -> JobSpec:
     settings = {"concurrency": 16, "max_attempts": 10} | run
     schema_part = ""
     if schema:
@@ -116,7 +116,7 @@ def server_latency_ms(rec: RequestRecord) -> float:
 
 
 def test_status_json_agrees_with_the_server_log(
-    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(
         latency_s=0.02, latency_jitter_s=0.08, p_429=0.04, retry_after_s=0.02, p_500=0.05, p_503=0.02,
@@ -183,7 +183,7 @@ def test_status_json_agrees_with_the_server_log(
 
 
 def test_failed_items_by_status_and_class_with_an_example(
-    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(status_override=400)
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(6) + ["{broken"]))
@@ -303,7 +303,7 @@ class _Page(HTMLParser):
 
 
 def test_report_html_is_one_self_contained_page_with_the_charts(
-    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(latency_s=0.005, latency_jitter_s=0.03, p_500=0.05, seed=3)
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(150)))
@@ -341,7 +341,7 @@ def test_report_html_is_one_self_contained_page_with_the_charts(
 
 
 def test_report_html_replaces_its_own_page_but_not_a_foreign_file(
-    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(5)))
     run(ledger, job_id)
@@ -371,7 +371,7 @@ def test_report_of_a_missing_job_is_a_usage_error(db_url: str, ledger: Ledger) -
 
 
 def test_compare_plain_outputs_on_shared_custom_ids(
-    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     spec = make_spec(tmp_path, server)
     base = records(40)
@@ -413,10 +413,10 @@ def test_compare_structured_outputs_by_parsed_json(
         return f"{key} (v2)" if key in altered else key
 
     path = write_jsonl(records(24))
-    with FakeOpenAIServer(Faults(seed=1)) as server_a:
+    with FakeProviderServer(Faults(seed=1)) as server_a:
         job_a = submit(ledger, make_spec(tmp_path, server_a, schema=True, name="a"), path)
         assert run(ledger, job_a).exit_code == ExitCode.OK
-    with FakeOpenAIServer(Faults(p_fenced=0.5, seed=2), key_fn=key_b) as server_b:
+    with FakeProviderServer(Faults(p_fenced=0.5, seed=2), key_fn=key_b) as server_b:
         job_b = submit(ledger, make_spec(tmp_path, server_b, schema=True, name="b"), path)
         assert run(ledger, job_b).exit_code == ExitCode.OK
         assert any(r.output_fault == "fenced" for r in server_b.log)
@@ -453,7 +453,7 @@ def _cli_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_watch_follows_a_running_job_until_it_is_done(
-    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(latency_s=0.08)  # ~2.4 s of work at concurrency 4: the watcher starts in ~1 s
     job_id = submit(ledger, make_spec(tmp_path, server, concurrency=4), write_jsonl(records(120)))
@@ -477,7 +477,7 @@ def test_watch_follows_a_running_job_until_it_is_done(
 
 
 def test_watch_json_prints_one_object_a_line(
-    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(3)))
     run(ledger, job_id)
@@ -487,7 +487,7 @@ def test_watch_json_prints_one_object_a_line(
 
 
 def test_watch_stops_on_ctrl_c_without_a_traceback(
-    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(3)))  # nobody works it
     watcher = subprocess.Popen(
@@ -508,7 +508,7 @@ def test_watch_stops_on_ctrl_c_without_a_traceback(
 
 
 def test_watch_on_a_terminal_draws_in_place(
-    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(4)))
     run(ledger, job_id)
@@ -558,7 +558,7 @@ def test_status_reports_time_to_first_token_of_a_streamed_job(
 ) -> None:
     """TTFT percentiles come from streamed answers: at least the server's latency, below the total."""
     faults = Faults(seed=5, latency_s=0.03, stream_chunk_delay_s=0.03)
-    with FakeOpenAIServer(faults) as streaming:
+    with FakeProviderServer(faults) as streaming:
         spec = make_spec(tmp_path, streaming, stream=True)
         job_id = submit(ledger, spec, write_jsonl(records(40)))
         assert run(ledger, job_id).exit_code == ExitCode.OK

@@ -17,15 +17,15 @@ from batchrun.jobs import RunSummary, prepare_job, run_job
 from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides, spec_for_batch_input
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
 
 
 @pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(Faults(seed=1)) as srv:
+def server() -> Iterator[FakeProviderServer]:
+    with FakeProviderServer(Faults(seed=1)) as srv:
         yield srv
 
 
@@ -41,7 +41,7 @@ def batch_lines(n: int, prefix: str = "k") -> list[dict[str, object]]:
     ]
 
 
-def submit(ledger: Ledger, server: FakeOpenAIServer, path: Path, **over: object) -> int:
+def submit(ledger: Ledger, server: FakeProviderServer, path: Path, **over: object) -> int:
     spec = spec_for_batch_input(Overrides(base_url=server.base_url, **over))  # type: ignore[arg-type]
     return prepare_job(ledger, spec, path).job_id
 
@@ -54,7 +54,7 @@ def outputs(ledger: Ledger, job_id: int) -> dict[str, str | None]:
     return {r.custom_id: r.output for r in LedgerQueries(ledger.engine).iter_items(job_id)}
 
 
-def test_clean_run_every_item_once(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+def test_clean_run_every_item_once(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     server.faults = Faults(latency_s=0.005)
     job_id = submit(ledger, server, write_jsonl(batch_lines(300)), concurrency=32)
     summary = run(ledger, job_id)
@@ -68,7 +68,7 @@ def test_clean_run_every_item_once(ledger: Ledger, server: FakeOpenAIServer, wri
 
 
 def test_faults_are_retried_and_nothing_is_paid_twice(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(
         latency_s=0.002, p_429=0.05, retry_after_s=0.05, p_500=0.05, p_503=0.03, p_reset=0.03,
@@ -89,7 +89,7 @@ def test_faults_are_retried_and_nothing_is_paid_twice(
     assert sum(classes.values()) + 400 == len(server.log)  # every request is an attempt row
 
 
-def test_permanent_error_fails_at_once(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+def test_permanent_error_fails_at_once(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     server.faults = Faults(status_override=400)
     job_id = submit(ledger, server, write_jsonl(batch_lines(5)))
     summary = run(ledger, job_id)
@@ -101,7 +101,7 @@ def test_permanent_error_fails_at_once(ledger: Ledger, server: FakeOpenAIServer,
     assert orjson.loads(rows[0].response or "null")["error"]["type"]
 
 
-def test_retries_exhausted(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+def test_retries_exhausted(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     server.faults = Faults(status_override=500)
     job_id = submit(ledger, server, write_jsonl(batch_lines(3)), max_attempts=3)
     summary = run(ledger, job_id)
@@ -111,7 +111,7 @@ def test_retries_exhausted(ledger: Ledger, server: FakeOpenAIServer, write_jsonl
 
 
 def test_retries_back_off_from_the_first_failure(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     """The first attempt is made outside tenacity; its failure still starts the backoff (0.2 s, then 0.4 s)."""
     server.faults = Faults(status_override=500)
@@ -126,7 +126,7 @@ def test_retries_back_off_from_the_first_failure(
 
 
 def test_auth_error_stops_the_run_after_a_few_requests(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(status_override=401)
     job_id = submit(ledger, server, write_jsonl(batch_lines(500)), concurrency=64)
@@ -138,7 +138,7 @@ def test_auth_error_stops_the_run_after_a_few_requests(
     assert {r.attempts for r in LedgerQueries(ledger.engine).iter_items(job_id)} == {0}
 
 
-def test_retry_after_pauses_all_dispatch(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+def test_retry_after_pauses_all_dispatch(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     server.faults = Faults(latency_s=0.01)
     job_id = submit(ledger, server, write_jsonl(batch_lines(80)), concurrency=8)
 
@@ -164,7 +164,7 @@ def test_retry_after_pauses_all_dispatch(ledger: Ledger, server: FakeOpenAIServe
     assert set(server.ok_by_key().values()) == {1}
 
 
-def test_attempt_count_holds_across_runs(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+def test_attempt_count_holds_across_runs(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     server.faults = Faults(status_override=500)
     job_id = submit(ledger, server, write_jsonl(batch_lines(1)), max_attempts=4)
 
@@ -187,7 +187,7 @@ def test_attempt_count_holds_across_runs(ledger: Ledger, server: FakeOpenAIServe
 
 
 def test_stop_puts_unsent_items_back_and_resume_finishes(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(latency_s=0.05)
     job_id = submit(ledger, server, write_jsonl(batch_lines(200)), concurrency=8)
@@ -211,7 +211,7 @@ def test_stop_puts_unsent_items_back_and_resume_finishes(
     assert set(server.requests_by_key().values()) == {1}
 
 
-def test_outcomes_are_committed_in_batches(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+def test_outcomes_are_committed_in_batches(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     job_id = submit(ledger, server, write_jsonl(batch_lines(600)), concurrency=64)
     commits = 0
     lock = threading.Lock()
@@ -231,7 +231,7 @@ def test_outcomes_are_committed_in_batches(ledger: Ledger, server: FakeOpenAISer
 
 
 def test_slots_handed_back_together_do_not_go_out_together(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     # One slow commit mid-run holds every answer's slot, then hands them all back at once.
     server.faults = Faults(latency_s=0.1)
@@ -261,7 +261,7 @@ def test_slots_handed_back_together_do_not_go_out_together(
 
 
 def test_the_pace_follows_a_provider_that_has_sped_up(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     from batchrun.ledger.models import attempts, items
 
@@ -288,7 +288,7 @@ def test_the_pace_follows_a_provider_that_has_sped_up(
     assert took < 10, took
 
 
-def test_a_second_runner_on_the_same_job_is_refused(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+def test_a_second_runner_on_the_same_job_is_refused(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     from batchrun.errors import JobLockedError
 
     server.faults = Faults(latency_s=0.05)
@@ -311,7 +311,7 @@ def test_a_second_runner_on_the_same_job_is_refused(ledger: Ledger, server: Fake
     assert set(server.requests_by_key().values()) == {1}
 
 
-def test_model_override_and_base_url_forms(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+def test_model_override_and_base_url_forms(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     bare = server.base_url.removesuffix("/v1")
     spec = spec_for_batch_input(Overrides(base_url=bare, model="override-model"))
     job_id = prepare_job(ledger, spec, write_jsonl(batch_lines(3))).job_id
@@ -322,7 +322,7 @@ def test_model_override_and_base_url_forms(ledger: Ledger, server: FakeOpenAISer
 
 
 def test_hung_requests_are_cut_after_a_multiple_of_p99(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(latency_s=0.005, p_hang=0.01, seed=5)
     spec = spec_for_batch_input(Overrides(base_url=server.base_url, concurrency=16))
@@ -341,7 +341,7 @@ def test_hung_requests_are_cut_after_a_multiple_of_p99(
 
 
 def test_resume_knows_the_jobs_latency_from_the_ledger(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     from dataclasses import replace
 
@@ -381,7 +381,7 @@ def test_resume_knows_the_jobs_latency_from_the_ledger(
 
 @pytest.mark.parametrize("window_s", [60.0, 1.0])
 def test_rpm_budget_paces_below_the_servers_limit(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path], window_s: float
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], window_s: float
 ) -> None:
     server.faults = Faults(latency_s=0.01, rpm_limit=1200, rpm_window_s=window_s)
     job_id = submit(ledger, server, write_jsonl(batch_lines(150)), concurrency=32, rpm=1200)
@@ -398,7 +398,7 @@ def test_rpm_budget_paces_below_the_servers_limit(
     assert 0.75 * 1200 < rate <= 1200  # close to the limit, never over it
 
 
-def test_tpm_budget_is_charged_from_usage(ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]) -> None:
+def test_tpm_budget_is_charged_from_usage(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     server.faults = Faults(latency_s=0.005)
     lines = batch_lines(40)
     for line in lines:
@@ -415,7 +415,7 @@ def test_tpm_budget_is_charged_from_usage(ledger: Ledger, server: FakeOpenAIServ
 
 
 def test_an_outage_pauses_and_stops_with_items_pending(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     from dataclasses import replace
 
@@ -437,7 +437,7 @@ def test_an_outage_pauses_and_stops_with_items_pending(
 
 
 def test_a_ledger_failure_mid_run_stops_promptly_with_a_clear_error(
-    ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from sqlalchemy.exc import OperationalError
 

@@ -15,7 +15,7 @@ from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.report import job_status
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, load_spec
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
@@ -32,12 +32,12 @@ SCHEMA = {
 
 
 @pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(Faults(seed=2), record_bodies=True) as srv:
+def server() -> Iterator[FakeProviderServer]:
+    with FakeProviderServer(Faults(seed=2), record_bodies=True) as srv:
         yield srv
 
 
-def make_spec(tmp_path: Path, server: FakeOpenAIServer, retries: int = 2, max_tokens: int = 200) -> JobSpec:
+def make_spec(tmp_path: Path, server: FakeProviderServer, retries: int = 2, max_tokens: int = 200) -> JobSpec:
     (tmp_path / "label.schema.json").write_bytes(orjson.dumps(SCHEMA))
     path = tmp_path / "label.toml"
     path.write_text(
@@ -75,7 +75,7 @@ def rows(ledger: Ledger, job_id: int) -> dict[str, object]:
 
 
 def test_valid_fenced_and_prose_answers_are_parsed_without_reasking(
-    tmp_path: Path, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(p_fenced=0.3, p_prose=0.3, seed=4)
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl, 60)
@@ -92,7 +92,7 @@ def test_valid_fenced_and_prose_answers_are_parsed_without_reasking(
 
 
 def test_reask_with_feedback_fixes_the_answer(
-    tmp_path: Path, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(p_schema_violation=1.0, output_faults_on_reask=False)
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl, 5)
@@ -118,7 +118,7 @@ def test_reask_with_feedback_fixes_the_answer(
 
 
 def test_invalid_every_time_ends_invalid_output_with_raw_text_and_paths(
-    tmp_path: Path, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(p_schema_violation=1.0)
     job_id = submit(ledger, make_spec(tmp_path, server, retries=2), write_jsonl, 4)
@@ -139,7 +139,7 @@ def test_invalid_every_time_ends_invalid_output_with_raw_text_and_paths(
 
 @pytest.mark.parametrize(("fault", "error_class", "requests"), [("refusal", "refusal", 1), ("not_json", "not_json", 2)])
 def test_refusals_and_prose_are_classified(
-    tmp_path: Path, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path],
+    tmp_path: Path, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path],
     fault: str, error_class: str, requests: int,
 ) -> None:
     server.faults = Faults(**{f"p_{fault}": 1.0})  # type: ignore[arg-type]
@@ -150,7 +150,7 @@ def test_refusals_and_prose_are_classified(
 
 
 def test_truncated_then_selective_retry_with_more_tokens(
-    tmp_path: Path, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     job_id = submit(ledger, make_spec(tmp_path, server, retries=0, max_tokens=3), write_jsonl, 6)
     assert run(ledger, job_id).exit_code == ExitCode.SOME_FAILED
@@ -165,7 +165,7 @@ def test_truncated_then_selective_retry_with_more_tokens(
 
 
 def test_random_bad_answers_each_end_valid_or_invalid_within_the_bound(
-    tmp_path: Path, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(p_truncated_json=0.15, p_schema_violation=0.15, p_500=0.05, p_reset=0.02, seed=9)
     job_id = submit(ledger, make_spec(tmp_path, server, retries=2), write_jsonl, 300)
@@ -188,7 +188,7 @@ def test_random_bad_answers_each_end_valid_or_invalid_within_the_bound(
 
 
 def test_revalidate_moves_items_both_ways_without_calls(
-    tmp_path: Path, ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    tmp_path: Path, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     server.faults = Faults(p_schema_violation=0.5, seed=3)
     job_id = submit(ledger, make_spec(tmp_path, server, retries=0), write_jsonl, 20)

@@ -11,7 +11,7 @@ import pytest
 from batchrun.errors import JobNotFoundError
 from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.spec import Overrides
-from batchrun.testing import FakeOpenAIServer, Faults
+from batchrun.testing import FakeProviderServer, Faults
 from batchrun.worker import Worker, WorkerOptions
 from batchrun.states import ExitCode, ItemState
 
@@ -30,13 +30,13 @@ def pg_ledger(pg_url: str) -> Iterator[Ledger]:
 
 
 @pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer(Faults(latency_s=0.01, seed=5)) as srv:
+def server() -> Iterator[FakeProviderServer]:
+    with FakeProviderServer(Faults(latency_s=0.01, seed=5)) as srv:
         yield srv
 
 
 def test_every_job_is_served_side_by_side(
-    pg_ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    pg_ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     first = submit(pg_ledger, server, write_jsonl(batch_lines(400, "a"), "a.jsonl"))
     second = submit(pg_ledger, server, write_jsonl(batch_lines(400, "b"), "b.jsonl"))
@@ -66,7 +66,7 @@ def test_every_job_is_served_side_by_side(
 
 
 def test_unknown_job_and_stop_with_work_left(
-    pg_ledger: Ledger, server: FakeOpenAIServer, write_jsonl: Callable[..., Path]
+    pg_ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
     with pytest.raises(JobNotFoundError):
         asyncio.run(Worker(pg_ledger, [99]).run())

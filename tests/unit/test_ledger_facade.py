@@ -3,7 +3,7 @@
 No database is reached: the calls are plain functions that raise what SQLAlchemy
 raises when PostgreSQL goes away. The ledgers only say which backend they are
 (a PostgreSQL engine that never connects; an in-memory SQLite one).
-tests/integration/test_fences.py replays a real write whose acknowledgement was lost.
+tests/integration/test_ledger_fences.py replays a real write whose acknowledgement was lost.
 """
 
 from __future__ import annotations

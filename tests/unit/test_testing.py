@@ -1,4 +1,4 @@
-"""Tests for batchrun.testing.FakeOpenAIServer, run against the real server over TCP."""
+"""batchrun.testing: the fake server run over real TCP (HTTP, faults, API shapes, log, CLI)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import httpx
 import orjson
 import pytest
 
-from batchrun.testing import FakeLLMServer, FakeOpenAIServer, Faults, RequestRecord, default_key_fn
+from batchrun.testing import FakeProviderServer, Faults, RequestRecord, default_key_fn
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,13 +64,13 @@ def read_response(f: Any) -> tuple[int, dict[str, str], bytes]:
 
 
 @pytest.fixture
-def server() -> Iterator[FakeOpenAIServer]:
-    with FakeOpenAIServer() as srv:
+def server() -> Iterator[FakeProviderServer]:
+    with FakeProviderServer() as srv:
         yield srv
 
 
 @pytest.fixture
-def client(server: FakeOpenAIServer) -> Iterator[httpx.Client]:
+def client(server: FakeProviderServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base_url, timeout=5.0) as c:
         yield c
 
@@ -78,7 +78,7 @@ def client(server: FakeOpenAIServer) -> Iterator[httpx.Client]:
 # ---------------------------------------------------------------------- normal operation
 
 
-def test_ok_reply_echo_usage_and_headers(server: FakeOpenAIServer, client: httpx.Client) -> None:
+def test_ok_reply_echo_usage_and_headers(server: FakeProviderServer, client: httpx.Client) -> None:
     body = {
         "model": "gpt-test",
         "messages": [
@@ -118,7 +118,7 @@ def test_ok_reply_echo_usage_and_headers(server: FakeOpenAIServer, client: httpx
     assert rec.received_at <= rec.finished_at
 
 
-def test_alternate_route_and_default_model(server: FakeOpenAIServer) -> None:
+def test_alternate_route_and_default_model(server: FakeProviderServer) -> None:
     with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=5.0) as c:
         r = c.post("/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 200
@@ -127,7 +127,7 @@ def test_alternate_route_and_default_model(server: FakeOpenAIServer) -> None:
     assert server.log[0].path == "/chat/completions"
 
 
-def test_keep_alive_reuses_one_connection(server: FakeOpenAIServer, client: httpx.Client) -> None:
+def test_keep_alive_reuses_one_connection(server: FakeProviderServer, client: httpx.Client) -> None:
     local_addrs = set()
     for i in range(10):
         r = client.post("/chat/completions", json=chat(f"msg {i}"))
@@ -139,7 +139,7 @@ def test_keep_alive_reuses_one_connection(server: FakeOpenAIServer, client: http
     assert [rec.seq for rec in server.log] == list(range(10))
 
 
-def test_connection_close_is_honoured(server: FakeOpenAIServer) -> None:
+def test_connection_close_is_honoured(server: FakeProviderServer) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
         s.sendall(raw_request("/v1/chat/completions", orjson.dumps(chat("bye")),
                               extra_headers=b"Connection: close\r\n"))
@@ -151,7 +151,7 @@ def test_connection_close_is_honoured(server: FakeOpenAIServer) -> None:
             assert f.read() == b""  # server closed its side
 
 
-def test_pipelined_and_chunked_requests(server: FakeOpenAIServer) -> None:
+def test_pipelined_and_chunked_requests(server: FakeProviderServer) -> None:
     payload = orjson.dumps(chat("chunky"))
     chunked = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -172,7 +172,7 @@ def test_pipelined_and_chunked_requests(server: FakeOpenAIServer) -> None:
     assert [r.key for r in server.log] == ["one", "chunky"]  # /health is not logged
 
 
-def test_expect_100_continue(server: FakeOpenAIServer) -> None:
+def test_expect_100_continue(server: FakeProviderServer) -> None:
     payload = orjson.dumps(chat("patience"))
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
@@ -187,7 +187,7 @@ def test_expect_100_continue(server: FakeOpenAIServer) -> None:
 
 
 def test_latency_is_applied() -> None:
-    with FakeOpenAIServer(Faults(latency_s=0.2, latency_jitter_s=0.1, seed=1)) as srv, \
+    with FakeProviderServer(Faults(latency_s=0.2, latency_jitter_s=0.1, seed=1)) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         t0 = time.perf_counter()
         r = c.post("/chat/completions", json=chat("slow"))
@@ -200,7 +200,7 @@ def test_latency_is_applied() -> None:
 
 
 def test_429_retry_after_headers() -> None:
-    with FakeOpenAIServer(Faults(p_429=1.0, retry_after_s=0.25)) as srv, \
+    with FakeProviderServer(Faults(p_429=1.0, retry_after_s=0.25)) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         r = c.post("/chat/completions", json=chat("a"))
         assert r.status_code == 429
@@ -227,7 +227,7 @@ def test_429_retry_after_headers() -> None:
     ("p_503", 503, "overloaded"),
 ])
 def test_server_errors(field: str, status: int, etype: str) -> None:
-    with FakeOpenAIServer(Faults(**{field: 1.0})) as srv, \
+    with FakeProviderServer(Faults(**{field: 1.0})) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         r = c.post("/chat/completions", json=chat("a"))
         assert r.status_code == status
@@ -243,7 +243,7 @@ def test_server_errors(field: str, status: int, etype: str) -> None:
 
 
 def test_reset_drops_connection_with_rst() -> None:
-    with FakeOpenAIServer(Faults(p_reset=1.0)) as srv:
+    with FakeProviderServer(Faults(p_reset=1.0)) as srv:
         with httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
             with pytest.raises(httpx.TransportError):
                 c.post("/chat/completions", json=chat("boom"))
@@ -256,7 +256,7 @@ def test_reset_drops_connection_with_rst() -> None:
 
 
 def test_hang_until_client_gives_up() -> None:
-    with FakeOpenAIServer(Faults(p_hang=1.0)) as srv:
+    with FakeProviderServer(Faults(p_hang=1.0)) as srv:
         with httpx.Client(base_url=srv.base_url, timeout=httpx.Timeout(5.0, read=0.5)) as c:
             t0 = time.perf_counter()
             with pytest.raises(httpx.ReadTimeout):
@@ -271,7 +271,7 @@ def test_hang_until_client_gives_up() -> None:
 
 
 def test_bad_body_is_invalid_json_but_connection_survives() -> None:
-    with FakeOpenAIServer(Faults(p_bad_body=1.0)) as srv, \
+    with FakeProviderServer(Faults(p_bad_body=1.0)) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         r = c.post("/chat/completions", json=chat("x"))
         assert r.status_code == 200
@@ -285,7 +285,7 @@ def test_bad_body_is_invalid_json_but_connection_survives() -> None:
 
 
 def test_truncated_body_raises_protocol_error() -> None:
-    with FakeOpenAIServer(Faults(p_truncated=1.0)) as srv:
+    with FakeProviderServer(Faults(p_truncated=1.0)) as srv:
         with httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
             with pytest.raises(httpx.RemoteProtocolError, match="incomplete|complete message"):
                 c.post("/chat/completions", json=chat("cut"))
@@ -304,7 +304,7 @@ def test_truncated_body_raises_protocol_error() -> None:
 
 
 def test_status_override_401() -> None:
-    with FakeOpenAIServer(Faults(status_override=401, p_500=1.0)) as srv, \
+    with FakeProviderServer(Faults(status_override=401, p_500=1.0)) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         r = c.post("/chat/completions", json=chat("key?"))
     assert r.status_code == 401
@@ -316,7 +316,7 @@ def test_status_override_401() -> None:
 
 def test_burst_429_windows() -> None:
     faults = Faults(burst_429_period_s=1.0, burst_429_duration_s=0.4)
-    with FakeOpenAIServer(faults) as srv, \
+    with FakeProviderServer(faults) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         started = time.monotonic()  # the burst clock starts at or just before this
         r1 = c.post("/chat/completions", json=chat("a"))  # phase ~0.0 -> in burst
@@ -334,7 +334,7 @@ def test_burst_429_windows() -> None:
 
 
 def test_rpm_limit_sliding_window() -> None:
-    with FakeOpenAIServer(Faults(rpm_limit=5)) as srv, \
+    with FakeProviderServer(Faults(rpm_limit=5)) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         replies = [c.post("/chat/completions", json=chat(f"r{i}")) for i in range(7)]
         srv.faults.rpm_limit = 8  # raising the limit frees slots immediately
@@ -354,7 +354,7 @@ def test_rpm_limit_sliding_window() -> None:
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
-def test_max_tokens_truncates_reply(server: FakeOpenAIServer, client: httpx.Client,
+def test_max_tokens_truncates_reply(server: FakeProviderServer, client: httpx.Client,
                                     field: str) -> None:
     text = "a fairly long user message that will not fit"
     r = client.post("/chat/completions", json=chat(text, **{field: 3}))
@@ -369,7 +369,7 @@ def test_max_tokens_truncates_reply(server: FakeOpenAIServer, client: httpx.Clie
     assert r.json()["choices"][0]["message"]["content"] == "echo: short"
 
 
-def test_not_found_bad_request_and_health(server: FakeOpenAIServer, client: httpx.Client) -> None:
+def test_not_found_bad_request_and_health(server: FakeProviderServer, client: httpx.Client) -> None:
     r = client.post("/embeddings", json={"input": "x"})
     assert r.status_code == 404
     assert r.json()["error"]["type"] == "invalid_request_error"
@@ -389,7 +389,7 @@ def test_not_found_bad_request_and_health(server: FakeOpenAIServer, client: http
     assert all(rec.key is None for rec in server.log)
 
 
-def test_malformed_http_gets_400_and_close(server: FakeOpenAIServer) -> None:
+def test_malformed_http_gets_400_and_close(server: FakeProviderServer) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
         s.sendall(b"NONSENSE\r\n\r\n")
         with s.makefile("rb") as f:
@@ -403,7 +403,7 @@ def test_malformed_http_gets_400_and_close(server: FakeOpenAIServer) -> None:
 
 
 def test_log_counters_and_reset() -> None:
-    with FakeOpenAIServer(Faults(p_429=0.5, retry_after_s=None, seed=7)) as srv, \
+    with FakeProviderServer(Faults(p_429=0.5, retry_after_s=None, seed=7)) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         statuses = {k: [c.post("/chat/completions", json=chat(k)).status_code for _ in range(n)]
                     for k, n in (("a", 8), ("b", 5), ("c", 3))}
@@ -434,7 +434,7 @@ def test_custom_key_fn() -> None:
     def key_fn(body: dict[str, Any]) -> str | None:
         return body.get("metadata", {}).get("id")
 
-    with FakeOpenAIServer(key_fn=key_fn) as srv, \
+    with FakeProviderServer(key_fn=key_fn) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         c.post("/chat/completions", json=chat("x", metadata={"id": "row-1"}))
         c.post("/chat/completions", json=chat("x"))
@@ -454,7 +454,7 @@ def test_default_key_fn() -> None:
 
 def test_log_path_file(tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
-    with FakeOpenAIServer(Faults(p_500=0.5, seed=3), log_path=path) as srv, \
+    with FakeProviderServer(Faults(p_500=0.5, seed=3), log_path=path) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         for i in range(6):
             c.post("/chat/completions", json=chat(f"k{i}"))
@@ -467,7 +467,7 @@ def test_log_path_file(tmp_path: Path) -> None:
     assert rows[0]["key"] == "k0"
     assert rows[-1]["outcome"] == "not_found" and rows[-1]["key"] is None
     # appends across restarts
-    with FakeOpenAIServer(log_path=path) as srv2, \
+    with FakeProviderServer(log_path=path) as srv2, \
             httpx.Client(base_url=srv2.base_url, timeout=5.0) as c:
         c.post("/chat/completions", json=chat("again"))
     assert len(path.read_bytes().splitlines()) == 8
@@ -476,7 +476,7 @@ def test_log_path_file(tmp_path: Path) -> None:
 def _outcomes(seed: int | None) -> list[str]:
     faults = Faults(p_429=0.2, p_500=0.2, p_503=0.2, p_bad_body=0.1, retry_after_s=None,
                     seed=seed)
-    with FakeOpenAIServer(faults) as srv, \
+    with FakeProviderServer(faults) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         for i in range(40):
             c.post("/chat/completions", json=chat(str(i)))
@@ -494,7 +494,7 @@ def test_seeded_reproducibility() -> None:
 
 
 def test_stop_is_quick_with_hung_connection() -> None:
-    srv = FakeOpenAIServer(Faults(p_hang=1.0)).start()
+    srv = FakeProviderServer(Faults(p_hang=1.0)).start()
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
             s.sendall(raw_request("/v1/chat/completions", orjson.dumps(chat("stuck"))))
@@ -515,7 +515,7 @@ def test_stop_is_quick_with_hung_connection() -> None:
 
 
 def test_stop_during_latency_records_reset() -> None:
-    srv = FakeOpenAIServer(Faults(latency_s=30.0)).start()
+    srv = FakeProviderServer(Faults(latency_s=30.0)).start()
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
             s.sendall(raw_request("/v1/chat/completions", orjson.dumps(chat("slow"))))
@@ -529,16 +529,16 @@ def test_stop_during_latency_records_reset() -> None:
 
 
 def test_start_twice_and_port_in_use() -> None:
-    with FakeOpenAIServer() as srv:
+    with FakeProviderServer() as srv:
         assert srv.start() is srv
         assert srv.base_url == f"http://127.0.0.1:{srv.port}/v1"
-        other = FakeOpenAIServer(port=srv.port)
+        other = FakeProviderServer(port=srv.port)
         with pytest.raises(OSError):
             other.start()
         other.stop()  # harmless when never started
 
 
-def test_faults_can_be_replaced_while_running(server: FakeOpenAIServer,
+def test_faults_can_be_replaced_while_running(server: FakeProviderServer,
                                               client: httpx.Client) -> None:
     assert client.post("/chat/completions", json=chat("a")).status_code == 200
     server.faults = Faults(status_override=403)
@@ -642,13 +642,13 @@ def label_tool(**extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def root(server: FakeOpenAIServer) -> Iterator[httpx.Client]:
+def root(server: FakeProviderServer) -> Iterator[httpx.Client]:
     """A client on the server's root, so paths name the API: /v1/chat/completions, ..."""
     with httpx.Client(base_url=server.anthropic_base_url, timeout=5.0) as c:
         yield c
 
 
-def test_chat_stream_events_and_usage(server: FakeOpenAIServer, root: httpx.Client) -> None:
+def test_chat_stream_events_and_usage(server: FakeProviderServer, root: httpx.Client) -> None:
     text = "a question long enough to need several deltas"
     r = root.post("/v1/chat/completions",
                   json=chat(text, stream=True, stream_options={"include_usage": True}))
@@ -680,7 +680,7 @@ def test_chat_stream_events_and_usage(server: FakeOpenAIServer, root: httpx.Clie
     assert (rec.api, rec.stream, rec.outcome, rec.key) == ("chat", True, "ok", text)
 
 
-def test_chat_stream_without_usage_and_keep_alive(server: FakeOpenAIServer, client: httpx.Client) -> None:
+def test_chat_stream_without_usage_and_keep_alive(server: FakeProviderServer, client: httpx.Client) -> None:
     r = client.post("/chat/completions", json=chat("hi", stream=True))
     chunks = [data for _, data in sse_events(r.text)]
     assert chunks[-1] == "[DONE]"
@@ -691,7 +691,7 @@ def test_chat_stream_without_usage_and_keep_alive(server: FakeOpenAIServer, clie
     assert [(rec.stream, rec.outcome) for rec in server.log] == [(True, "ok"), (False, "ok")]
 
 
-def test_chat_stream_structured_and_truncated(server: FakeOpenAIServer, client: httpx.Client) -> None:
+def test_chat_stream_structured_and_truncated(server: FakeProviderServer, client: httpx.Client) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "label", "schema": LABEL_SCHEMA}}
     plain = client.post("/chat/completions", json=chat("row 1", response_format=fmt)).json()
     r = client.post("/chat/completions", json=chat("row 1", response_format=fmt, stream=True,
@@ -713,7 +713,7 @@ def test_chat_stream_structured_and_truncated(server: FakeOpenAIServer, client: 
 
 def test_chat_refusal_streamed() -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "label", "schema": LABEL_SCHEMA}}
-    with FakeOpenAIServer(Faults(p_refusal=1.0)) as srv, \
+    with FakeProviderServer(Faults(p_refusal=1.0)) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         plain = c.post("/chat/completions", json=chat("x", response_format=fmt)).json()
         r = c.post("/chat/completions", json=chat("x", response_format=fmt, stream=True))
@@ -725,7 +725,7 @@ def test_chat_refusal_streamed() -> None:
     assert [rec.output_fault for rec in srv.log] == ["refusal", "refusal"]
 
 
-def test_responses_plain(server: FakeOpenAIServer, root: httpx.Client) -> None:
+def test_responses_plain(server: FakeProviderServer, root: httpx.Client) -> None:
     r = root.post("/v1/responses", json=responses_body(instructions="Be terse."))  # 9 chars -> 3
     assert r.status_code == 200
     assert r.headers["x-request-id"] == "req_0"
@@ -758,7 +758,7 @@ def test_responses_plain(server: FakeOpenAIServer, root: httpx.Client) -> None:
     assert server.log[-1].key == "first"
 
 
-def test_responses_stream_events_and_usage(server: FakeOpenAIServer, root: httpx.Client) -> None:
+def test_responses_stream_events_and_usage(server: FakeProviderServer, root: httpx.Client) -> None:
     text = "a question long enough to need several deltas"
     r = root.post("/v1/responses", json=responses_body(text, stream=True))
     assert r.headers["content-type"].split(";")[0] == "text/event-stream"
@@ -799,7 +799,7 @@ def test_responses_stream_events_and_usage(server: FakeOpenAIServer, root: httpx
     assert (rec.api, rec.stream) == ("responses", True)
 
 
-def test_responses_json_schema_and_max_output_tokens(server: FakeOpenAIServer, root: httpx.Client) -> None:
+def test_responses_json_schema_and_max_output_tokens(server: FakeProviderServer, root: httpx.Client) -> None:
     fmt = {"format": {"type": "json_schema", "name": "label", "schema": LABEL_SCHEMA, "strict": True}}
     data = root.post("/v1/responses", json=responses_body("row 7", text=fmt)).json()
     assert data["text"] == fmt  # the format is echoed back
@@ -825,7 +825,7 @@ def test_responses_json_schema_and_max_output_tokens(server: FakeOpenAIServer, r
 
 def test_responses_refusal_part() -> None:
     fmt = {"format": {"type": "json_schema", "name": "label", "schema": LABEL_SCHEMA, "strict": True}}
-    with FakeOpenAIServer(Faults(p_refusal=1.0)) as srv, \
+    with FakeProviderServer(Faults(p_refusal=1.0)) as srv, \
             httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
         data = c.post("/responses", json=responses_body("x", text=fmt)).json()
         events = sse_events(c.post("/responses", json=responses_body("x", text=fmt, stream=True)).text)
@@ -839,7 +839,7 @@ def test_responses_refusal_part() -> None:
     assert events[-1][1]["response"]["output"][0]["content"] == [part]
 
 
-def test_messages_plain(server: FakeOpenAIServer, root: httpx.Client) -> None:
+def test_messages_plain(server: FakeProviderServer, root: httpx.Client) -> None:
     body = messages_body(
         [{"type": "text", "text": "hello there,"}, {"type": "text", "text": " friend"}],
         system=[{"type": "text", "text": "You are terse."}],  # 14 chars -> 4
@@ -865,7 +865,7 @@ def test_messages_plain(server: FakeOpenAIServer, root: httpx.Client) -> None:
     assert r.json()["usage"]["input_tokens"] == 9
 
 
-def test_messages_stop_sequences_and_max_tokens(server: FakeOpenAIServer, root: httpx.Client) -> None:
+def test_messages_stop_sequences_and_max_tokens(server: FakeProviderServer, root: httpx.Client) -> None:
     data = root.post("/v1/messages", headers=ANTHROPIC, json=messages_body(
         "one two three", stop_sequences=["three", "two"])).json()
     assert data["content"] == [{"type": "text", "text": "echo: one "}]
@@ -880,7 +880,7 @@ def test_messages_stop_sequences_and_max_tokens(server: FakeOpenAIServer, root: 
     assert events[-2][1]["usage"] == {"output_tokens": 3}
 
 
-def test_messages_stream_events_and_usage(server: FakeOpenAIServer, root: httpx.Client) -> None:
+def test_messages_stream_events_and_usage(server: FakeProviderServer, root: httpx.Client) -> None:
     text = "a question long enough to need several deltas"
     r = root.post("/v1/messages", json=messages_body(text, stream=True, system="Be terse."),
                   headers=ANTHROPIC)
@@ -912,7 +912,7 @@ def test_messages_stream_events_and_usage(server: FakeOpenAIServer, root: httpx.
     assert (rec.api, rec.stream) == ("messages", True)
 
 
-def test_messages_tool_use_structured(server: FakeOpenAIServer, root: httpx.Client) -> None:
+def test_messages_tool_use_structured(server: FakeProviderServer, root: httpx.Client) -> None:
     data = root.post("/v1/messages", headers=ANTHROPIC, json=messages_body("row 3", **label_tool())).json()
     (block,) = data["content"]
     assert block["type"] == "tool_use" and block["name"] == "record_label"
@@ -952,7 +952,7 @@ def test_messages_tool_use_structured(server: FakeOpenAIServer, root: httpx.Clie
 ])
 def test_messages_output_faults(fault: str, check: Callable[[dict[str, Any]], bool]) -> None:
     faults = Faults(**{f"p_{fault}": 1.0})  # type: ignore[arg-type]
-    with FakeOpenAIServer(faults) as srv, \
+    with FakeProviderServer(faults) as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0) as c:
         data = c.post("/v1/messages", headers=ANTHROPIC, json=messages_body("x", **label_tool())).json()
         events = sse_events(c.post("/v1/messages", headers=ANTHROPIC,
@@ -963,7 +963,7 @@ def test_messages_output_faults(fault: str, check: Callable[[dict[str, Any]], bo
     assert [rec.output_fault for rec in srv.log] == [fault, fault]
 
 
-def test_messages_requires_version_max_tokens_and_messages(server: FakeOpenAIServer,
+def test_messages_requires_version_max_tokens_and_messages(server: FakeProviderServer,
                                                            root: httpx.Client) -> None:
     r = root.post("/v1/messages", json=messages_body())
     assert r.status_code == 400
@@ -995,7 +995,7 @@ def test_messages_requires_version_max_tokens_and_messages(server: FakeOpenAISer
     (529, "overloaded_error"), (422, "invalid_request_error"),
 ])
 def test_messages_error_bodies(status: int, etype: str) -> None:
-    with FakeOpenAIServer(Faults(status_override=status)) as srv, \
+    with FakeProviderServer(Faults(status_override=status)) as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0) as c:
         r = c.post("/v1/messages", headers=ANTHROPIC, json=messages_body(stream=True))
     assert r.status_code == status
@@ -1010,7 +1010,7 @@ def test_messages_error_bodies(status: int, etype: str) -> None:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
 def test_openai_routes_error_bodies(path: str) -> None:
     body = chat("x") if "chat" in path else responses_body()
-    with FakeOpenAIServer(Faults(p_500=1.0)) as srv, \
+    with FakeProviderServer(Faults(p_500=1.0)) as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0) as c:
         r = c.post(path, json={**body, "stream": True})
     assert r.status_code == 500
@@ -1025,7 +1025,7 @@ def test_openai_routes_error_bodies(path: str) -> None:
 def test_overloaded(path: str, status: int) -> None:
     bodies = {"/v1/messages": messages_body(), "/v1/chat/completions": chat("x"),
               "/v1/responses": responses_body()}
-    with FakeOpenAIServer(Faults(p_overloaded=1.0)) as srv, \
+    with FakeProviderServer(Faults(p_overloaded=1.0)) as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0, headers=ANTHROPIC) as c:
         r = c.post(path, json=bodies[path])
     assert r.status_code == status
@@ -1037,7 +1037,7 @@ def test_overloaded(path: str, status: int) -> None:
 
 
 def test_messages_random_faults_use_anthropic_shapes() -> None:
-    with FakeOpenAIServer(Faults(p_429=1.0, retry_after_s=2.0)) as srv, \
+    with FakeProviderServer(Faults(p_429=1.0, retry_after_s=2.0)) as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0, headers=ANTHROPIC) as c:
         r = c.post("/v1/messages", json=messages_body())
         assert r.status_code == 429
@@ -1058,7 +1058,7 @@ def test_messages_random_faults_use_anthropic_shapes() -> None:
 
 
 def test_messages_rate_limit_headers() -> None:
-    with FakeOpenAIServer(Faults(rpm_limit=2)) as srv, \
+    with FakeProviderServer(Faults(rpm_limit=2)) as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0, headers=ANTHROPIC) as c:
         t0 = time.time()
         replies = [c.post("/v1/messages", json=messages_body()) for _ in range(3)]
@@ -1094,7 +1094,7 @@ def kinds(events: list[tuple[str | None, Any]]) -> list[Any]:
 
 @pytest.mark.parametrize(("path", "body"), STREAM_REQUESTS)
 def test_stream_drop(path: str, body: dict[str, Any]) -> None:
-    with FakeOpenAIServer() as srv, \
+    with FakeProviderServer() as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0, headers=ANTHROPIC) as c:
         full = sse_events(c.post(path, json=body).text)
         srv.faults = Faults(p_stream_drop=1.0)
@@ -1115,7 +1115,7 @@ def test_stream_drop(path: str, body: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(("path", "body"), STREAM_REQUESTS)
 def test_stream_error_in_band(path: str, body: dict[str, Any]) -> None:
-    with FakeOpenAIServer() as srv, \
+    with FakeProviderServer() as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0, headers=ANTHROPIC) as c:
         full = sse_events(c.post(path, json=body).text)
         srv.faults = Faults(p_stream_error=1.0)
@@ -1151,7 +1151,7 @@ def test_stream_error_in_band(path: str, body: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(("path", "body"), STREAM_REQUESTS)
 def test_stream_bad_body_cuts_one_event(path: str, body: dict[str, Any]) -> None:
-    with FakeOpenAIServer(Faults(p_bad_body=1.0)) as srv, \
+    with FakeProviderServer(Faults(p_bad_body=1.0)) as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0, headers=ANTHROPIC) as c:
         r, text, error = read_stream(c, path, body)
     assert error is None and r.status_code == 200
@@ -1163,7 +1163,7 @@ def test_stream_bad_body_cuts_one_event(path: str, body: dict[str, Any]) -> None
 def test_stream_chunk_delay_spreads_deltas() -> None:
     faults = Faults(latency_s=0.2, stream_chunk_delay_s=0.1)
     text = "x" * 42  # "echo: " + 42 chars -> 3 deltas
-    with FakeOpenAIServer(faults) as srv, \
+    with FakeProviderServer(faults) as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0, headers=ANTHROPIC) as c:
         t0 = time.perf_counter()
         arrivals: list[tuple[float, str]] = []
@@ -1194,7 +1194,7 @@ def test_api_key_checked_per_api(path: str) -> None:
             return dict(ANTHROPIC)
         return {**ANTHROPIC, **({"authorization": f"Bearer {key}"} if bearer else {"x-api-key": key})}
 
-    with FakeOpenAIServer(api_key=secret) as srv, \
+    with FakeProviderServer(api_key=secret) as srv, \
             httpx.Client(base_url=srv.anthropic_base_url, timeout=5.0) as c:
         refused = [c.post(path, json=body, headers=h) for h in (
             creds(None), creds("sk-wrong"), creds("sk-wrong", bearer=anthropic))]
@@ -1233,7 +1233,7 @@ def test_default_key_fn_all_apis() -> None:
     assert default_key_fn({"input": 3}) is None
 
 
-def test_keys_stay_stable_across_reasks_on_every_api(server: FakeOpenAIServer, root: httpx.Client) -> None:
+def test_keys_stay_stable_across_reasks_on_every_api(server: FakeProviderServer, root: httpx.Client) -> None:
     reask = [{"role": "assistant", "content": "bad"}, {"role": "user", "content": "fix it"}]
     root.post("/v1/chat/completions", json={"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "k1"}]}, *reask]})
@@ -1246,10 +1246,9 @@ def test_keys_stay_stable_across_reasks_on_every_api(server: FakeOpenAIServer, r
     assert server.ok_by_key() == {"k1": 1, "k2": 1, "k3": 1}
 
 
-def test_record_defaults_and_alias() -> None:
+def test_record_defaults() -> None:
     rec = RequestRecord(0, 0.0, 0.0, "POST", "/v1/chat/completions", None, "ok", 200, 1, 2)
     assert (rec.output_fault, rec.api, rec.stream) == (None, "chat", False)
-    assert FakeLLMServer is FakeOpenAIServer
 
 
 def test_new_faults_keep_a_seeds_fates() -> None:
@@ -1257,7 +1256,7 @@ def test_new_faults_keep_a_seeds_fates() -> None:
     more = dataclasses.replace(base, p_overloaded=0.2, p_stream_error=0.1)
     fates = []
     for faults in (base, more):
-        with FakeOpenAIServer(faults) as srv, \
+        with FakeProviderServer(faults) as srv, \
                 httpx.Client(base_url=srv.base_url, timeout=5.0) as c:
             for i in range(40):
                 c.post("/chat/completions", json=chat(str(i)))

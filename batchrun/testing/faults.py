@@ -1,0 +1,160 @@
+"""What the fake server does wrong: the fault plan, each request's fate, the request-rate window."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+_RPM_WINDOW_S = 60.0
+
+
+@dataclass
+class Faults:
+    """What the server does wrong; probabilities are per request, drawn in this order.
+
+    The random faults share one uniform draw ``u`` per request and occupy consecutive
+    intervals (``u < p_429`` -> 429, ``u < p_429 + p_500`` -> 500, ...), so each ``p_*`` is
+    the marginal probability of that fault; their sum should not exceed 1. The chain is
+    p_429, p_500, p_503, p_reset, p_hang, p_bad_body, p_truncated, p_overloaded, p_stream_drop,
+    p_stream_error: new faults join at the end, so a seed keeps its fates. Deterministic
+    faults are applied first: ``status_override``, then the 429 burst window, then
+    ``rpm_limit``. Retry-After is whole seconds rounded up, plus ``retry-after-ms`` when
+    the wait is fractional; burst 429s advertise the rest of the burst and rpm 429s the
+    time until a slot frees. Every fault is answered in the shape of the API asked.
+    """
+
+    latency_s: float = 0.0  # added before answering (asyncio.sleep); a stream's first event too
+    latency_jitter_s: float = 0.0  # uniform extra 0..jitter
+    p_429: float = 0.0  # 429 with the API's rate-limit error body
+    retry_after_s: float | None = 1.0  # Retry-After on random 429s; None -> no header
+    p_500: float = 0.0
+    p_503: float = 0.0
+    p_reset: float = 0.0  # read the request, then drop the connection with a TCP RST
+    p_hang: float = 0.0  # read the request, never answer
+    p_bad_body: float = 0.0  # 200 whose (correctly framed) body is not valid JSON; streamed: one event's JSON cut
+    p_truncated: float = 0.0  # 200 whose body stops halfway, then the connection closes
+    # Faults in the *content* of a 200 answer to a structured request (Chat/Responses
+    # json_schema, Messages forced tool or json_schema output), drawn from a third number:
+    p_fenced: float = 0.0  # valid JSON inside a ```json code fence (Messages tool: a text block)
+    p_prose: float = 0.0  # valid JSON wrapped in a sentence before and after (Messages tool: a text block)
+    p_truncated_json: float = 0.0  # JSON cut in half, finish_reason "length" / incomplete / max_tokens
+    p_schema_violation: float = 0.0  # JSON that breaks the schema (a required key missing)
+    p_not_json: float = 0.0  # plain prose, no JSON at all (Messages tool: a text block, no tool call)
+    p_refusal: float = 0.0  # Chat: message.refusal; Responses: a refusal part; Messages: stop_reason "refusal"
+    output_faults_on_reask: bool = True  # False: a re-ask (a request with an assistant turn) is always answered well
+    status_override: int | None = None  # answer every request with this status
+    burst_429_period_s: float = 0.0  # > 0: each period (from server start) begins with...
+    burst_429_duration_s: float = 0.0  # ...this many seconds of 429s for every request
+    rpm_limit: int | None = None  # accepted requests per sliding 60 s window
+    # Enforce rpm_limit over a shorter sliding window, scaled (1.0: at most rpm_limit/60 per second),
+    # as providers may do.
+    rpm_window_s: float = 60.0
+    seed: int | None = None  # random.Random(seed); changing it while running reseeds
+    p_overloaded: float = 0.0  # Messages: 529 overloaded_error; OpenAI routes: 503
+    # Streamed: headers and about half the events, then the connection closes with no terminal
+    # event and no end of the chunked body. Not streamed: like p_truncated.
+    p_stream_drop: float = 0.0
+    # Streamed: about half the events, then an in-band error event (Messages ``error``
+    # overloaded_error, Responses ``error`` + ``response.failed``, Chat ``data: {"error": ...}``),
+    # and the stream ends cleanly. Not streamed: a 500.
+    p_stream_error: float = 0.0
+    stream_chunk_delay_s: float = 0.0  # slept between a stream's content deltas
+
+
+def fate(
+    f: Faults, u: float, since_start_s: float, window: RequestWindow, now: float,
+    overloaded_status: int, stream: bool,
+) -> tuple[str, int | None, float | None]:
+    """(outcome, status, Retry-After seconds or None) of a request whose fate draw is ``u``.
+
+    ``since_start_s`` places the request in the 429 burst period; ``now`` (monotonic) in the
+    request window, where an accepted request takes a slot.
+    """
+    burst_left = 0.0
+    if f.burst_429_period_s > 0 and f.burst_429_duration_s > 0:
+        phase = since_start_s % f.burst_429_period_s
+        if phase < f.burst_429_duration_s:
+            burst_left = f.burst_429_duration_s - phase
+    if f.status_override is not None:
+        status = f.status_override
+        return f"status_{status}", status, f.retry_after_s if status == 429 else None
+    if burst_left > 0:
+        return "429", 429, burst_left
+    wait = window.take(f.rpm_limit, now, f.rpm_window_s) if f.rpm_limit is not None else 0.0
+    if wait > 0:
+        return "429", 429, wait
+    if u < (acc := f.p_429):
+        return "429", 429, f.retry_after_s
+    if u < (acc := acc + f.p_500):
+        return "500", 500, None
+    if u < (acc := acc + f.p_503):
+        return "503", 503, None
+    if u < (acc := acc + f.p_reset):
+        return "reset", None, None
+    if u < (acc := acc + f.p_hang):
+        return "hang", None, None
+    if u < (acc := acc + f.p_bad_body):
+        return "bad_body", 200, None
+    if u < (acc := acc + f.p_truncated):
+        return "truncated", 200, None
+    if u < (acc := acc + f.p_overloaded):
+        return "overloaded", overloaded_status, None
+    if u < (acc := acc + f.p_stream_drop):
+        return "stream_drop", 200, None
+    if u < acc + f.p_stream_error:
+        return "stream_error", 200 if stream else 500, None
+    return "ok", 200, None
+
+
+def content_fault(f: Faults, v: float) -> str | None:
+    """The content fault of a structured answer whose third draw is ``v``, if any."""
+    acc = 0.0
+    for name, p in (
+        ("fenced", f.p_fenced), ("prose", f.p_prose), ("truncated_json", f.p_truncated_json),
+        ("schema_violation", f.p_schema_violation), ("not_json", f.p_not_json), ("refusal", f.p_refusal),
+    ):
+        acc += p
+        if v < acc:
+            return name
+    return None
+
+
+class RequestWindow:
+    """The requests accepted in a sliding window, for :attr:`Faults.rpm_limit`."""
+
+    def __init__(self) -> None:
+        self._accepted: collections.deque[float] = collections.deque()
+
+    def take(self, limit: int, now: float, window_s: float = _RPM_WINDOW_S) -> float:
+        """Take a slot in the sliding window; returns 0.0 or the seconds until one frees."""
+        window = self._accepted
+        allowed = _window_allowance(limit, window_s)
+        cutoff = now - window_s
+        while window and window[0] <= cutoff:
+            window.popleft()
+        if allowed <= 0:
+            return window_s
+        if len(window) < allowed:
+            window.append(now)
+            return 0.0
+        # the slot frees when the entry `allowed` places from the end leaves the window
+        return max(window[-allowed] + window_s - now, 0.001)
+
+    def remaining(self, limit: int, now: float, window_s: float = _RPM_WINDOW_S) -> int:
+        """Slots free in the sliding window now."""
+        window = self._accepted
+        cutoff = now - window_s
+        while window and window[0] <= cutoff:
+            window.popleft()
+        return max(_window_allowance(limit, window_s) - len(window), 0)
+
+    def reset_at(self, now: float, window_s: float) -> float:
+        """Wall-clock time at which the window is empty again (every slot free)."""
+        window = self._accepted
+        return time.time() + (max(window[-1] + window_s - now, 0.0) if window else 0.0)
+
+
+def _window_allowance(rpm: int, window_s: float) -> int:
+    """Requests allowed per sliding window of ``window_s`` for a per-minute limit."""
+    return int(rpm * window_s / _RPM_WINDOW_S)
