@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -179,24 +180,24 @@ def test_a_stop_during_the_last_check_sends_nothing() -> None:
     asyncio.run(go())
 
 
-def test_a_request_the_run_no_longer_owns_is_not_sent() -> None:
+@pytest.mark.parametrize(
+    ("make", "raised"),
+    [
+        (lambda: Parts(ready_answer=False), NotAdmitted),  # the run no longer owns the item
+        (lambda: Parts(spend=SpendBudget(10.0, PRICE, spent_usd=6.0)), BudgetExceededError),  # 6 + 5 > 10
+    ],
+    ids=["not-owned", "over-budget"],
+)
+def test_a_request_turned_away_holds_nothing_and_costs_nothing(
+    make: Callable[[], Parts], raised: type[Exception]
+) -> None:
     async def go() -> None:
-        parts = Parts(ready_answer=False)
+        parts = make()
         parts.mark()
-        with pytest.raises(NotAdmitted):
+        spent = parts.spend.spent
+        with pytest.raises(raised):
             await enter(parts, asyncio.Event())
-        assert parts.holds_nothing() and parts.spend.spent == 0.0
-
-    asyncio.run(go())
-
-
-def test_a_budget_that_cannot_fit_the_request_raises_and_holds_nothing() -> None:
-    async def go() -> None:
-        parts = Parts(spend=SpendBudget(10.0, PRICE, spent_usd=6.0))
-        parts.mark()
-        with pytest.raises(BudgetExceededError):
-            await enter(parts, asyncio.Event())
-        assert parts.holds_nothing()
+        assert parts.holds_nothing() and parts.spend.spent == spent
 
     asyncio.run(go())
 
