@@ -298,7 +298,7 @@ async def run_job(
     spec = effective_spec(job, overrides)
     provider = provider_for(spec)
     runner = JobRunner(ledger, job, spec, provider, options, client=client)
-    if runner.spend_budget is not None and unbounded_answers(spec):
+    if runner.admission.spend is not None and unbounded_answers(spec):
         log.warning(
             "the spec sets no [request] max_tokens, so the budget reserves the provider's default guess of an "
             "answer's size for each request; longer answers can take the spend past the budget"

@@ -27,10 +27,11 @@ def snapshot(runner: JobRunner, todo: int) -> dict[str, Any]:
     elapsed = max(1e-9, time.time() - s.started_at)
     rate = done / elapsed
     rate_limits: dict[str, float] = {}
-    if runner.request_budget is not None:
-        rate_limits["rpm_now"] = round(runner.request_budget.rate * 60.0, 1)
-    if runner.token_budget is not None:
-        rate_limits["tpm_now"] = round(runner.token_budget.rate * 60.0, 1)
+    admission = runner.admission
+    if admission.request_budget is not None:
+        rate_limits["rpm_now"] = round(admission.request_budget.rate * 60.0, 1)
+    if admission.token_budget is not None:
+        rate_limits["tpm_now"] = round(admission.token_budget.rate * 60.0, 1)
     return {
         "job_id": runner.job.id,
         "run_id": runner.run_id,

@@ -6,10 +6,11 @@ One asyncio loop runs three things:
   was already answered in the ledger (the response cache: one lookup per
   batch, no request, no cost), and starts one task per other item, with at
   most ``2 × concurrency`` item tasks alive;
-- each item task sends attempts through tenacity; every attempt takes a slot
-  of the :class:`AdaptiveConcurrency` controller, so backoff sleeps hold none,
-  and then waits its turn at the :class:`SendPacer`'s pace (slots handed back
-  together do not go out together);
+- each item task sends attempts through tenacity; every attempt passes the
+  run's :class:`~batchrun.admission.Admission` (a concurrency slot, so backoff
+  sleeps hold none, the send pace, the rate budgets, the spend reservation),
+  and what it learns goes to the run's :class:`~batchrun.health.Health` (is the
+  provider down, how long may an answer take);
   a clean answer keeps its slot until it is committed, so answers paid for but
   not yet in the ledger (lost by a ``kill -9``) never exceed the concurrency;
 - the writer commits outcomes and attempts in batches (by count or every
@@ -50,7 +51,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 from tenacity.wait import wait_base
 
-from batchrun.budget import SpendBudget, budget_price, settled_cost
+from batchrun.admission import Admission, NotAdmitted
+from batchrun.budget import SpendBudget, budget_price
 from batchrun.cache import CachedAnswer, cache_scope, request_key
 from batchrun.errors import (
     AuthError,
@@ -62,12 +64,13 @@ from batchrun.errors import (
     RateLimitedError,
     RetryableError,
 )
+from batchrun.health import LATENCIES_KEPT, Health
 from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Ledger, LedgerQueries, Outcome
 from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger
 from batchrun.providers import Provider, Reply, make_client, send
-from batchrun.providers.base import PreparedRequest, RateLimits
+from batchrun.providers.base import PreparedRequest
 from batchrun.pricing import Price, price_for
-from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SendPacer, SharedTokenBucket, TokenBucket
+from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SharedTokenBucket, TokenBucket
 from batchrun.spec import JobSpec
 from batchrun.validate import OutputValidator, feedback
 from batchrun.states import ItemState, StopReason
@@ -76,11 +79,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_RATE_LIMITED_PER_ITEM = 100
-OUTAGE_AFTER_FAILURES = 20  # failed attempts in a row, across items, that mean "the endpoint is down"
-OUTAGE_MAX_PAUSE_S = 30.0
 _NO_VALUE = object()
-HANG_MIN_SAMPLES = 50
-PACE_EVERY = 50  # this run's clean answers between two settings of the send pace
 
 
 @dataclass(frozen=True)
@@ -122,10 +121,6 @@ class RunResult:
     run_id: str
     stop_reason: StopReason | None
     stop_message: str | None
-
-
-class _Stopped(Exception):
-    """The run is stopping: put the item back untouched."""
 
 
 class _WaitRetryAfter(wait_base):
@@ -192,8 +187,6 @@ class JobRunner:
         self._wake = asyncio.Event()
         self._writer_done = False
         self._rng = random.Random()
-        self.controller = AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency)
-        self.pacer = SendPacer()
         self.validator = OutputValidator(spec.output.schema) if spec.output.schema is not None else None
         self.price = spec.price()
         self._model_prices: dict[str, Price | None] = {}
@@ -214,22 +207,18 @@ class JobRunner:
         self._bucket_db = AsyncLedger(
             ledger, ride_out_seconds=self.options.ledger_retry_seconds, thread_name="batchrun-bucket"
         )
-        self.request_budget = self._budget("requests", spec.run.rpm)
-        self.request_window = RequestWindow(spec.run.rpm) if spec.run.rpm > 0 else None
-        self.token_budget = self._budget("tokens", spec.run.tpm)
-        self._budgets = [b for b in (self.request_budget, self.token_budget) if b is not None]
+        self.health = Health(spec.run)
         budget_at = budget_price(spec)  # SpecError here, before anything is sent, if a budget has no price
-        self.spend_budget = SpendBudget(spec.run.budget_usd, budget_at) if budget_at is not None else None
+        self.admission = Admission(
+            AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency),
+            request_budget=self._budget("requests", spec.run.rpm),
+            token_budget=self._budget("tokens", spec.run.tpm),
+            request_window=RequestWindow(spec.run.rpm) if spec.run.rpm > 0 else None,
+            spend=SpendBudget(spec.run.budget_usd, budget_at) if budget_at is not None else None,
+            latencies=self.health.latencies,
+        )
         self._crash: BaseException | None = None
         self._held_slots = 0
-        self._failures_in_row = 0
-        self._last_clean = time.monotonic()
-        self._outage_pause = 0.0
-        self._outage_grown = 0.0
-        self._latencies: deque[float] = deque(maxlen=2000)
-        self._since_estimate = 0
-        self._own_answers = 0  # this run's clean answers (the pace is set from them, not the ledger's)
-        self._attempt_timeout = spec.run.timeout
         self._cache_scope = cache_scope(provider.kind, spec.provider.anthropic_version)
         # Flush often enough that slots held by committed-to-be answers come back quickly.
         self._flush_count = max(8, min(self.options.flush_count, spec.run.concurrency // 2))
@@ -249,9 +238,7 @@ class JobRunner:
             log.info("stopping run: %s", message or reason, extra={"job": self.job.id})
         self._stop.set()
         self._wake.set()
-        self.controller.stop()
-        if self.spend_budget is not None:
-            self.spend_budget.stop()
+        self.admission.stop()
         self._confirmed()
 
     @property
@@ -260,15 +247,10 @@ class JobRunner:
 
     def set_concurrency(self, limit: int) -> None:
         """A new cap on requests in flight (a worker sharing its slots among jobs); never above the spec's."""
-        self.controller.set_limit(min(limit, self.spec.run.concurrency))
-        if self.pacer.interval > 0.0:  # the pace is what the slots carry: re-set it for their new number
-            self.pacer.follow(list(self._latencies), self.controller.limit)
+        self.admission.set_limit(min(limit, self.spec.run.concurrency))
 
     async def _ledger(self, fn: Callable[..., T], *args: Any) -> T:
         return await self._db.call(fn, *args)
-
-    async def _on_thread(self, thread: AsyncLedger, fn: Callable[..., T], *args: Any) -> T:
-        return await thread.call(fn, *args)
 
     def _budget(self, kind: str, per_minute: float) -> TokenBucket | SharedTokenBucket | None:
         """The run's budget: the job's shared one on PostgreSQL (several workers), else this process's own."""
@@ -278,7 +260,7 @@ class JobRunner:
             return TokenBucket(per_minute)
 
         async def reserve(amount: float) -> float:
-            return await self._on_thread(self._bucket_db, self.ledger.take_rate_budget, self.job.id, kind, amount)
+            return await self._bucket_db.call(self.ledger.take_rate_budget, self.job.id, kind, amount)
 
         return SharedTokenBucket(per_minute, reserve)
 
@@ -296,7 +278,8 @@ class JobRunner:
                 )
             )
             self._vouch(vouched)
-            for kind, budget in (("requests", self.request_budget), ("tokens", self.token_budget)):
+            admission = self.admission
+            for kind, budget in (("requests", admission.request_budget), ("tokens", admission.token_budget)):
                 if isinstance(budget, SharedTokenBucket):
                     await self._ledger(self.ledger.set_rate_budget, self.job.id, kind, budget.rate, budget.capacity)
             if self.options.exclusive:
@@ -305,10 +288,12 @@ class JobRunner:
                 orphans = await self._ledger(self.ledger.requeue_expired, self.job.id)
             if orphans:
                 log.info("put %d items left running by an earlier run back to pending", orphans)
-            if self.spend_budget is not None:
-                self.spend_budget.spent = await self._ledger(LedgerQueries(self.ledger.engine).spent_usd, self.job.id)
-            for seconds in await self._ledger(LedgerQueries(self.ledger.engine).recent_latencies, self.job.id, 2000):
-                self._note_latency(seconds, from_history=True)
+            if admission.spend is not None:
+                admission.spend.spent = await self._ledger(LedgerQueries(self.ledger.engine).spent_usd, self.job.id)
+            for seconds in await self._ledger(
+                LedgerQueries(self.ledger.engine).recent_latencies, self.job.id, LATENCIES_KEPT
+            ):
+                self.health.note_latency(seconds)  # the pace waits for this run's own answers
             owns_client = self._client is None
             if self._client is None:
                 self._client = make_client(self.spec, transport=self.options.transport)
@@ -478,7 +463,7 @@ class JobRunner:
                     continue
                 self._finish(work, ItemState.SUCCEEDED, reply=reply, parsed=verdict.parsed)
                 return
-        except _Stopped:
+        except NotAdmitted:
             self._put_back(work)
         except AuthError as exc:
             self.request_stop(StopReason.AUTH, f"authentication refused: {exc.message}")
@@ -539,99 +524,89 @@ class JobRunner:
             pass
 
     async def _attempt(self, work: _ItemWork) -> Reply:
+        """One HTTP request for ``work``: admitted, sent, settled, learnt from, recorded; a failure raised."""
         if self.stopping:
-            raise _Stopped
-        if work.first_request is not None and not work.followups:
-            request = work.first_request
-        else:
-            request = self.provider.prepare(
-                work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
-            )
-        spend = self.spend_budget
-        estimate = self.provider.estimate_tokens(request).total if self.token_budget or spend else 0
-        if not await self.controller.acquire():
-            raise _Stopped
-        held: float | None = None  # USD this request holds of the spend budget
-        try:
-            if pause := self.pacer.delay():
-                await asyncio.sleep(pause)
-            if self.request_budget:
-                await self.request_budget.take(1)
-            if self.token_budget:
-                await self.token_budget.take(estimate)
-            if self.request_window:  # last of the waits, so the time it counts is the send's
-                await self.request_window.admit()
-            if spend is not None:
-                held = await spend.reserve(estimate)  # BudgetExceededError: stop the run
-                if held is None:
-                    raise _Stopped
-            if not self._owns(work):  # last before the send: the run may have stalled in the waits
-                await self._confirm(work)
-        except BaseException:
-            self.controller.release()
-            if spend is not None and held is not None:
-                spend.release(held)
-            raise
-        if self.stopping or not self._owns(work):
-            self.controller.release()
-            if spend is not None and held is not None:
-                spend.release(held)
-            raise _Stopped
-        queue_wait_ms = (time.monotonic() - work.ready_at) * 1000.0
-        started = time.time()
-        t0 = time.perf_counter()
-        self.stats.requests += 1
-        self.stats.in_flight += 1
-        error: ProviderError | None = None
-        reply: Reply | None = None
-        try:
-            reply = await send(self._http(), self.provider, request, total_timeout=self._attempt_timeout)
-        except ProviderError as exc:
-            error = exc
-        except BaseException:
-            self.controller.release()
-            if spend is not None and held is not None:
-                spend.settle(held, held)  # cut off in flight: it may have been billed
-            raise
-        finally:
-            self.stats.in_flight -= 1
+            raise NotAdmitted
+        request = self._request(work)
+        estimate = self.provider.estimate_tokens(request).total if self.admission.counts_tokens else 0
+        async with self.admission.slot(estimate, ready=lambda: self._may_send(work)) as slot:
+            queue_wait_ms = (time.monotonic() - work.ready_at) * 1000.0
+            started = time.time()
+            t0 = time.perf_counter()
+            self.stats.requests += 1
+            self.stats.in_flight += 1
+            error: ProviderError | None = None
+            reply: Reply | None = None
+            try:
+                reply = await send(self._http(), self.provider, request, total_timeout=self.health.attempt_timeout)
+            except ProviderError as exc:
+                error = exc
+            finally:
+                self.stats.in_flight -= 1
+            latency_ms = (time.perf_counter() - t0) * 1000.0
+            cost = self._cost(reply) if reply else None
+            # A clean answer keeps its slot until the writer has committed it, so
+            # answers paid for but not yet in the ledger never exceed the concurrency.
+            slot.settle(reply, cost, error)
+        counted = self._learn(work, reply, error, latency_ms / 1000.0)
+        self._record_attempt(
+            work, reply, error, cost=cost, counted=counted, started=started, queue_wait_ms=queue_wait_ms,
+            latency_ms=latency_ms,
+        )
         if error is not None:
-            self.controller.release()
-        # else: a clean answer keeps its slot until the writer has committed it, so
-        # answers paid for but not yet in the ledger never exceed the concurrency.
-        latency_ms = (time.perf_counter() - t0) * 1000.0
-        cost = self._cost(reply) if reply else None
-        if spend is not None and held is not None:
-            spend.settle(held, settled_cost(held, reply, cost, error))
-        if self.token_budget:
-            used = (reply.input_tokens or 0) + (reply.output_tokens or 0) if reply else 0
-            self.token_budget.settle(estimate, used if reply else estimate)
-        if reply is not None and reply.limits is not None:
-            self._obey_headers(reply.limits)
-        counted = False
-        if error is None:
-            self._failures_in_row = 0
-            self._last_clean = time.monotonic()
-            self._outage_pause = 0.0
-        elif isinstance(error, RetryableError):
-            self._failures_in_row += 1
-        outage = self._in_outage()
+            log.debug("item %s attempt failed: %s", work.item.custom_id, error.message)
+            raise error
+        assert reply is not None
+        return reply
+
+    def _request(self, work: _ItemWork) -> PreparedRequest:
+        """What to send: the item's request as keyed, else the question with its re-asks so far."""
+        if work.first_request is not None and not work.followups:
+            return work.first_request
+        return self.provider.prepare(
+            work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
+        )
+
+    async def _may_send(self, work: _ItemWork) -> bool:
+        """Last before the send (the run may have stalled in the waits): whether it still owns ``work``."""
+        if not self._owns(work):
+            await self._confirm(work)
+        return self._owns(work)
+
+    def _learn(self, work: _ItemWork, reply: Reply | None, error: ProviderError | None, latency_s: float) -> bool:
+        """Tell health and admission how an attempt went; whether it counts against the item's attempts."""
+        outage = self.health.observe(error)
+        if outage is not None:
+            self.admission.pause(outage.pause_s)
+            if outage.stop_message is not None:
+                self.request_stop(StopReason.OUTAGE, outage.stop_message)
         if isinstance(error, RateLimitedError):
             work.rate_limited += 1
-            self.controller.on_rate_limited(error.retry_after)
-            for budget in self._budgets:
-                budget.slow_down()
-        elif isinstance(error, RetryableError) and outage:
-            pass  # an outage is not the item's fault: no attempt is charged
-        elif not isinstance(error, AuthError):
-            work.counted += 1
-            counted = True
-            if error is None:
-                remaining = reply.limits.remaining_requests if reply and reply.limits else None
-                self.controller.on_success(remaining, latency_ms / 1000.0)
-                for budget in self._budgets:
-                    budget.recover()
-                self._note_latency(latency_ms / 1000.0)
+            self.admission.on_rate_limited(error.retry_after)
+            return False
+        if isinstance(error, RetryableError) and outage is not None:
+            return False  # an outage is not the item's fault: no attempt is charged
+        if isinstance(error, AuthError):
+            return False
+        work.counted += 1
+        if error is None:
+            self.health.note_latency(latency_s)
+            self.admission.on_answer(reply.limits.remaining_requests if reply and reply.limits else None, latency_s)
+        return True
+
+    def _record_attempt(
+        self,
+        work: _ItemWork,
+        reply: Reply | None,
+        error: ProviderError | None,
+        *,
+        cost: float | None,
+        counted: bool,
+        started: float,
+        queue_wait_ms: float,
+        latency_ms: float,
+    ) -> None:
+        """Queue the attempt's row for the writer; add its tokens and cost to the item's and the run's."""
         self._attempt_seq += 1
         record = AttemptRecord(
             seq=self._attempt_seq,
@@ -657,40 +632,15 @@ class JobRunner:
         work.ready_at = time.monotonic()
         if error is not None:
             self.stats.errors[error.error_class] += 1
-            log.debug("item %s attempt failed: %s", work.item.custom_id, error.message)
-            raise error
+            return
         assert reply is not None
         self.stats.input_tokens += reply.input_tokens or 0
         self.stats.output_tokens += reply.output_tokens or 0
         work.input_tokens += reply.input_tokens or 0
         work.output_tokens += reply.output_tokens or 0
-        if record.cost_usd is not None:
-            work.cost_usd = (work.cost_usd or 0.0) + record.cost_usd
-            self.stats.cost_usd += record.cost_usd
-        return reply
-
-    def _in_outage(self) -> bool:
-        """Every request has been failing: back off together and stop charging attempts.
-
-        Past ``outage_seconds`` without a clean answer the run stops (exit 75)
-        with the items pending, instead of failing them one by one.
-        """
-        if self._failures_in_row < OUTAGE_AFTER_FAILURES:
-            return False
-        now = time.monotonic()
-        if now - self._outage_grown >= 1.0:
-            self._outage_pause = min(OUTAGE_MAX_PAUSE_S, max(0.5, self._outage_pause * 2))
-            self._outage_grown = now
-        # Every failure re-arms the shared pause (and shrinks the window), so probing
-        # a dead endpoint costs a few requests per pause, not a stream of them.
-        self.controller.on_rate_limited(self._outage_pause)
-        if now - self._last_clean > self.spec.run.outage_seconds:
-            self.request_stop(
-                StopReason.OUTAGE,
-                f"no clean answer for {self.spec.run.outage_seconds:g} s: every request failed "
-                f"({self._failures_in_row} in a row); the items stay pending",
-            )
-        return True
+        if cost is not None:
+            work.cost_usd = (work.cost_usd or 0.0) + cost
+            self.stats.cost_usd += cost
 
     def _cost(self, reply: Reply) -> float | None:
         """USD of one answered attempt: the job's price, else the answering model's list price."""
@@ -702,40 +652,6 @@ class JobRunner:
         if price is None:
             return None
         return price.cost(reply.input_tokens or 0, reply.output_tokens or 0, reply.cached_tokens or 0)
-
-    def _obey_headers(self, limits: RateLimits) -> None:
-        """The provider says its budget is spent: pause everyone until it resets."""
-        for remaining, reset in (
-            (limits.remaining_requests, limits.reset_requests_s),
-            (limits.remaining_tokens, limits.reset_tokens_s),
-        ):
-            if remaining is not None and remaining <= 0 and reset:
-                self.controller.pause(reset)
-
-    def _note_latency(self, seconds: float, *, from_history: bool = False) -> None:
-        """Track clean-answer latencies; once there are enough, cut hung requests early and pace sends.
-
-        A non-streamed answer sends nothing until it is complete, so a hang looks
-        like a slow answer until the total timeout. An attempt that takes
-        ``hang_factor`` times this run's P99 (and at least ``hang_min_seconds``)
-        is treated as hung and retried instead. The pace follows the latest answers
-        (:meth:`SendPacer.follow`), and only once this run has answers of its own
-        (``from_history``: an earlier run's, read from the ledger), so a provider
-        that has sped up is not held to an old pace.
-        """
-        self._latencies.append(seconds)
-        if not from_history:
-            self._own_answers += 1
-            if self._own_answers % PACE_EVERY == 0:
-                self.pacer.follow(list(self._latencies), self.controller.limit)
-        self._since_estimate += 1
-        run = self.spec.run
-        if run.hang_factor <= 0 or len(self._latencies) < HANG_MIN_SAMPLES or self._since_estimate < 50:
-            return
-        self._since_estimate = 0
-        ordered = sorted(self._latencies)
-        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-        self._attempt_timeout = min(run.timeout, max(run.hang_min_seconds, run.hang_factor * p99))
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
@@ -868,15 +784,15 @@ class JobRunner:
             except TimeoutError:
                 pass
             self._flush_now.clear()
-            self.stats.window = self.controller.allowed
-            self.stats.paused_for = self.controller.paused_for()
+            self.stats.window = self.admission.controller.allowed
+            self.stats.paused_for = self.admission.controller.paused_for()
             outcomes, self._outcomes = self._outcomes, []
             attempts, self._attempts = self._attempts, []
             held, self._held_slots = self._held_slots, 0
             if outcomes or attempts:
                 await self._ledger(self.ledger.record, self.run_id, outcomes, attempts)
             if held:
-                self.controller.release(held)
+                self.admission.release_committed(held)
             beat_due = self._confirmation is not None or time.monotonic() - last_beat >= self._heartbeat_interval
             if beat_due and not self._lock_lost:  # a lost lock is not asked for again
                 last_beat = time.monotonic()

@@ -46,7 +46,7 @@ def test_every_job_is_served_side_by_side(
     async def go() -> int:
         async def watch() -> None:
             while True:
-                shares.append({j: r.controller.limit for j, r in worker.runners.items()})
+                shares.append({j: r.admission.controller.limit for j, r in worker.runners.items()})
                 await asyncio.sleep(0.05)
 
         watcher = asyncio.create_task(watch())

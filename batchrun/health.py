@@ -1,0 +1,94 @@
+"""Health: whether the provider is down, and when a request counts as hung.
+
+- **Outage.** ``OUTAGE_AFTER_FAILURES`` retryable failures in a row, across
+  items, mean the endpoint is down, not that these items are bad: the run
+  pauses everyone (a pause that doubles at most once a second, up to
+  ``OUTAGE_MAX_PAUSE_S``), stops charging attempts to the items, and past
+  ``outage_seconds`` without a clean answer it stops (exit 75) with the items
+  pending instead of failing them one by one.
+- **Hang.** A non-streamed answer sends nothing until it is complete, so a
+  hang looks like a slow answer until the total timeout. Once the run knows
+  ``HANG_MIN_SAMPLES`` clean latencies (its own, and the job's earlier ones from
+  the ledger), an attempt that takes ``hang_factor`` times their P99 (and at
+  least ``hang_min_seconds``) is cut and retried: :attr:`Health.attempt_timeout`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from batchrun.errors import ProviderError, RetryableError
+from batchrun.spec import RunSpec
+
+OUTAGE_AFTER_FAILURES = 20  # failed attempts in a row, across items, that mean "the endpoint is down"
+OUTAGE_MAX_PAUSE_S = 30.0
+HANG_MIN_SAMPLES = 50
+HANG_ESTIMATE_EVERY = 50  # clean answers between two estimates of the attempt timeout
+LATENCIES_KEPT = 2000
+
+
+@dataclass(frozen=True)
+class Outage:
+    """Every request has been failing: pause everyone ``pause_s``; ``stop_message`` once the run should stop."""
+
+    pause_s: float
+    stop_message: str | None = None
+
+
+class Health:
+    """The outage and hang watchers of one run (see the module docstring)."""
+
+    def __init__(self, run: RunSpec, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._run = run
+        self._clock = clock
+        self.failures_in_row = 0
+        self.last_clean = clock()
+        self._pause = 0.0
+        self._pause_grown = 0.0
+        self.latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)  # clean answers' seconds, oldest first
+        self._since_estimate = 0
+        self.attempt_timeout = run.timeout
+
+    def observe(self, error: ProviderError | None) -> Outage | None:
+        """An attempt was answered cleanly (``error`` None) or failed; an :class:`Outage` while all fail.
+
+        Every failure in an outage re-arms the shared pause, so probing a dead
+        endpoint costs a few requests per pause, not a stream of them. Errors
+        that are not retryable neither count toward an outage nor end one.
+        """
+        if error is None:
+            self.failures_in_row = 0
+            self.last_clean = self._clock()
+            self._pause = 0.0
+        elif isinstance(error, RetryableError):
+            self.failures_in_row += 1
+        if self.failures_in_row < OUTAGE_AFTER_FAILURES:
+            return None
+        now = self._clock()
+        if now - self._pause_grown >= 1.0:
+            self._pause = min(OUTAGE_MAX_PAUSE_S, max(0.5, self._pause * 2))
+            self._pause_grown = now
+        if now - self.last_clean > self._run.outage_seconds:
+            return Outage(
+                self._pause,
+                f"no clean answer for {self._run.outage_seconds:g} s: every request failed "
+                f"({self.failures_in_row} in a row); the items stay pending",
+            )
+        return Outage(self._pause)
+
+    def note_latency(self, seconds: float) -> None:
+        """A clean answer took ``seconds``; now and then the attempt timeout is estimated afresh."""
+        self.latencies.append(seconds)
+        self._since_estimate += 1
+        run = self._run
+        if run.hang_factor <= 0 or len(self.latencies) < HANG_MIN_SAMPLES:
+            return
+        if self._since_estimate < HANG_ESTIMATE_EVERY:
+            return
+        self._since_estimate = 0
+        ordered = sorted(self.latencies)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        self.attempt_timeout = min(run.timeout, max(run.hang_min_seconds, run.hang_factor * p99))
