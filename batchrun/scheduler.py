@@ -65,8 +65,9 @@ from batchrun.errors import (
 )
 from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Ledger, Outcome
 from batchrun.ledger.reconnect import LEDGER_RETRY_SECONDS, ride_out
-from batchrun.providers import Provider, Reply, make_client, send
+from batchrun.providers import Provider, Reply
 from batchrun.providers.base import PreparedRequest, RateLimits
+from batchrun.providers.http import Sender
 from batchrun.pricing import Price, price_for
 from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SendPacer, SharedTokenBucket, TokenBucket
 from batchrun.spec import JobSpec
@@ -171,7 +172,7 @@ class JobRunner:
         provider: Provider,
         options: RunOptions | None = None,
         *,
-        client: httpx.AsyncClient | None = None,
+        sender: Sender | None = None,
         sleep: Callable[[float], Awaitable[None]] | None = None,
     ) -> None:
         self.ledger = ledger
@@ -181,7 +182,7 @@ class JobRunner:
         self.options = options or RunOptions()
         self.stats = RunStats()
         self.run_id = ""
-        self._client = client
+        self._sender = sender
         self._sleep = sleep
         self._stop = asyncio.Event()
         self._stop_reason: StopReason | None = None
@@ -312,9 +313,9 @@ class JobRunner:
                 self.spend_budget.spent = await self._ledger(self.ledger.spent_usd, self.job.id)
             for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, 2000):
                 self._note_latency(seconds, from_history=True)
-            owns_client = self._client is None
-            if self._client is None:
-                self._client = make_client(self.spec, transport=self.options.transport)
+            owns_sender = self._sender is None
+            if self._sender is None:
+                self._sender = Sender.for_spec(self.spec, transport=self.options.transport)
             deadline = None
             if self.spec.run.max_runtime > 0:
                 deadline = asyncio.get_running_loop().call_later(
@@ -340,9 +341,9 @@ class JobRunner:
             finally:
                 if deadline is not None:
                     deadline.cancel()
-                if owns_client:
-                    await self._client.aclose()
-                    self._client = None
+                if owns_sender:
+                    await self._sender.aclose()
+                    self._sender = None
         except SQLAlchemyError as exc:
             raise LedgerWriteError(
                 f"the ledger failed during the run: {exc.__class__.__name__}: {exc}. What was committed is safe; "
@@ -588,7 +589,7 @@ class JobRunner:
         error: ProviderError | None = None
         reply: Reply | None = None
         try:
-            reply = await send(self._http(), self.provider, request, total_timeout=self._attempt_timeout)
+            reply = await self._http().send(self.provider, request, total_timeout=self._attempt_timeout)
         except ProviderError as exc:
             error = exc
         except BaseException:
@@ -740,10 +741,10 @@ class JobRunner:
         p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
         self._attempt_timeout = min(run.timeout, max(run.hang_min_seconds, run.hang_factor * p99))
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise RuntimeError("no HTTP client")
-        return self._client
+    def _http(self) -> Sender:
+        if self._sender is None:
+            raise RuntimeError("no HTTP sender")
+        return self._sender
 
     # -- outcomes -----------------------------------------------------------
 

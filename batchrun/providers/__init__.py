@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from batchrun.errors import SpecError
-from batchrun.providers.base import PreparedRequest, Provider, Reply, make_client, send
+from batchrun.providers.base import PreparedRequest, Provider, Reply
 from batchrun.redact import register_secret
 from batchrun.spec import JobSpec
 
@@ -43,4 +43,4 @@ def provider_for(spec: JobSpec, *, api_key: str | None = None, read_key: bool = 
     raise SpecError(f"provider kind {kind!r} is not supported")
 
 
-__all__ = ["PreparedRequest", "Provider", "Reply", "make_client", "provider_for", "send"]
+__all__ = ["PreparedRequest", "Provider", "Reply", "provider_for"]

@@ -30,7 +30,6 @@ from batchrun.providers.base import (
     Reply,
     StreamAssembler,
     TokenEstimate,
-    error_for_status,
     estimate_tokens,
     followup_turns,
     int_header,
@@ -38,6 +37,7 @@ from batchrun.providers.base import (
     stream_error,
     stream_event_json,
 )
+from batchrun.providers.http import error_for_status
 from batchrun.spec import JobSpec
 
 MESSAGES_PATH = "/messages"

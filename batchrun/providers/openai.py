@@ -19,7 +19,6 @@ from batchrun.providers.base import (
     Reply,
     StreamAssembler,
     TokenEstimate,
-    error_for_status,
     estimate_tokens,
     followup_turns,
     int_header,
@@ -27,6 +26,7 @@ from batchrun.providers.base import (
     stream_error,
     stream_event_json,
 )
+from batchrun.providers.http import error_for_status
 from batchrun.ratelimit import parse_reset
 from batchrun.spec import JobSpec
 from batchrun.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, count_tokens
