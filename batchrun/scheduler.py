@@ -230,7 +230,7 @@ class JobRunner:
         self._since_estimate = 0
         self._own_answers = 0  # this run's clean answers (the pace is set from them, not the ledger's)
         self._attempt_timeout = spec.run.timeout
-        self._cache_scope = cache_scope(provider.kind, spec.provider.anthropic_version)
+        self._cache_scope = cache_scope(spec.provider)
         # Flush often enough that slots held by committed-to-be answers come back quickly.
         self._flush_count = max(8, min(self.options.flush_count, spec.run.concurrency // 2))
         self._wait = _WaitRetryAfter(
