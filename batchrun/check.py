@@ -80,9 +80,10 @@ async def check_spec(
     result = CheckResult(url=request.url, custom_id=custom_id, stream=request.stream)
     started = time.perf_counter()
     own_sender = sender is None
-    http = sender if sender is not None else Sender.for_spec(spec)
+    if sender is None:
+        sender = Sender.for_spec(spec)
     try:
-        reply = await http.send(provider, request, total_timeout=spec.run.timeout)
+        reply = await sender.send(provider, request, total_timeout=spec.run.timeout)
     except ProviderError as exc:
         result.latency_ms = (time.perf_counter() - started) * 1000.0
         result.status_code = exc.status_code
@@ -93,7 +94,7 @@ async def check_spec(
         return result
     finally:
         if own_sender:
-            await http.aclose()
+            await sender.aclose()
     result.status_code = reply.status_code
     result.latency_ms = (time.perf_counter() - started) * 1000.0
     result.ttft_ms, result.tpot_ms = reply.ttft_ms, reply.tpot_ms
