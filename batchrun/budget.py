@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchrun.errors import BudgetExceededError, ProviderError, SpecError
 from batchrun.pricing import Price
+from batchrun.provider_registry import MAX_TOKENS_PARAMS
 from batchrun.spec import JobSpec
 
 if TYPE_CHECKING:  # status and report import this module: keep the HTTP stack out of their start-up
@@ -83,7 +84,7 @@ def unbounded_answers(spec: JobSpec) -> bool:
     return (
         spec.has_template
         and spec.request.max_tokens is None
-        and not any(key in extra for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"))
+        and not any(key in extra for key in MAX_TOKENS_PARAMS)
     )
 
 

@@ -2,8 +2,8 @@
 
 An item's key is the SHA-256 of
 
-- the API it is sent to: the provider kind (and, for Anthropic, the
-  ``anthropic-version`` it asks for, since that decides the answer's shape),
+- the API it is sent to: the provider kind, plus the settings its registry
+  entry names as deciding the answer's shape (``anthropic-version``, say),
 - the full request URL (so the base URL counts),
 - the canonical JSON (keys sorted, no whitespace) of the body its *first*
   attempt sends, exactly as :meth:`Provider.prepare` builds it: model, messages,
@@ -32,8 +32,11 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from batchrun.provider_registry import provider_entry
+
 if TYPE_CHECKING:  # the ledger imports this module; status and export must not load the HTTP stack
     from batchrun.providers.base import PreparedRequest
+    from batchrun.spec import ProviderSpec
 
 KEY_LENGTH = 64  # hex SHA-256, the width of items.request_hash
 STREAM_FIELDS = ("stream", "stream_options")  # how the answer travels, not what is asked
@@ -53,9 +56,15 @@ class CachedAnswer:
     output_tokens: int | None
 
 
-def cache_scope(kind: str, anthropic_version: str | None = None) -> str:
-    """The part of the key that names the API: provider kind, plus the Anthropic API version."""
-    return f"{kind} anthropic-version={anthropic_version}" if kind == "anthropic" and anthropic_version else kind
+def cache_scope(provider: ProviderSpec) -> str:
+    """The part of the key that names the API: the kind, plus ``label=value`` for each setting
+    its registry entry puts in the scope (an unset one is left out)."""
+    parts = [provider.kind]
+    for label, setting in provider_entry(provider.kind).cache_scope:
+        value = getattr(provider, setting)
+        if value:
+            parts.append(f"{label}={value}")
+    return " ".join(parts)
 
 
 def request_key(scope: str, request: PreparedRequest) -> str:

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 
 from batchrun.errors import (
@@ -22,7 +21,8 @@ from batchrun.errors import (
     ProviderError,
 )
 from batchrun.ingest import RequestBuilder, read_request
-from batchrun.providers import make_client, provider_for, send
+from batchrun.providers import provider_for
+from batchrun.providers.http import Sender
 from batchrun.redact import redact, redact_optional
 from batchrun.spec import JobSpec
 from batchrun.states import ExitCode
@@ -71,7 +71,7 @@ async def check_spec(
     *,
     input_path: str | Path,
     line: int = 1,
-    client: httpx.AsyncClient | None = None,
+    sender: Sender | None = None,
 ) -> CheckResult:
     """Send the request of ``input_path``'s line ``line`` once and report on it."""
     provider = provider_for(spec)
@@ -79,10 +79,11 @@ async def check_spec(
     request = provider.prepare(url, body)
     result = CheckResult(url=request.url, custom_id=custom_id, stream=request.stream)
     started = time.perf_counter()
-    own_client = client is None
-    http = client if client is not None else make_client(spec)
+    own_sender = sender is None
+    if sender is None:
+        sender = Sender.for_spec(spec)
     try:
-        reply = await send(http, provider, request, total_timeout=spec.run.timeout)
+        reply = await sender.send(provider, request, total_timeout=spec.run.timeout)
     except ProviderError as exc:
         result.latency_ms = (time.perf_counter() - started) * 1000.0
         result.status_code = exc.status_code
@@ -92,8 +93,8 @@ async def check_spec(
         result.exit_code = ExitCode.AUTH if isinstance(exc, AuthError) else ExitCode.SOME_FAILED
         return result
     finally:
-        if own_client:
-            await http.aclose()
+        if own_sender:
+            await sender.aclose()
     result.status_code = reply.status_code
     result.latency_ms = (time.perf_counter() - started) * 1000.0
     result.ttft_ms, result.tpot_ms = reply.ttft_ms, reply.tpot_ms

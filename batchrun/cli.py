@@ -30,8 +30,9 @@ from batchrun.errors import (
 )
 from batchrun.export import FORMATS, check_target, export_job
 from batchrun.ledger import RETRY_FILTERS, Ledger, LedgerQueries, default_db_path, resolve_db_url
+from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
-from batchrun.spec import PROVIDER_KINDS, Overrides, load_spec, spec_for_batch_input
+from batchrun.spec import Overrides, load_spec, spec_for_batch_input
 from batchrun.states import USER_RETRYABLE_STATES, ExitCode, ItemState, StopReason
 
 if TYPE_CHECKING:
@@ -94,8 +95,8 @@ db_option = click.option(
 
 
 provider_option = click.option(
-    "--provider", "provider_kind", type=click.Choice(list(PROVIDER_KINDS)), default=None,
-    help="Without a SPEC: the API the batch lines are for (default openai).",
+    "--provider", "provider_kind", type=click.Choice(list(KINDS)), default=None,
+    help=f"Without a SPEC: the API the batch lines are for (default {DEFAULT_KIND}).",
 )
 
 

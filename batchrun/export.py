@@ -28,12 +28,11 @@ import orjson
 
 from batchrun.errors import ExportError, ExportWriteError, StoppedError
 from batchrun.ledger import ItemRow, Ledger, LedgerQueries
-from batchrun.jsonutil import json_or_none
+from batchrun.provider_registry import BATCH_FORMATS, kinds_of_format, provider_entry
+from batchrun.providers.batch_formats import RESULTS_LINES
 from batchrun.states import ERROR_STATES, ItemState
 
-FORMATS = ("results", "openai-batch", "anthropic-batch")
-# The batch formats carry the provider's own answer bodies, so each fits its provider's jobs.
-_FORMAT_KINDS = {"openai-batch": ("openai", "openai-responses"), "anthropic-batch": ("anthropic",)}
+FORMATS = ("results", *BATCH_FORMATS)  # ours, then each provider batch API's line shape
 TEMP_SUFFIX = ".tmp"
 _TEMP_STEM = 200  # of the target's name in a temporary name: room is left for the random part (255 in all)
 
@@ -92,35 +91,6 @@ def results_line(row: ItemRow, *, structured: bool = False) -> dict[str, Any]:
         # A reused answer (the response cache): usage is the answer's, its cost_usd 0.
         line["cached"] = True
     return line
-
-
-def openai_batch_line(job_id: int, row: ItemRow) -> dict[str, Any]:
-    """The OpenAI Batch API output line shape."""
-    response = None
-    error = None
-    body = json_or_none(row.response.encode()) if row.response else None
-    if row.state == ItemState.SUCCEEDED or (row.status_code is not None and body is not None):
-        response = {"status_code": row.status_code, "request_id": row.request_id or "", "body": body}
-    else:
-        err = _error(row) or {"class": row.state, "message": f"item is {row.state}"}
-        error = {"code": err["class"], "message": err["message"]}
-    return {"id": f"batch_req_{job_id}_{row.line}", "custom_id": row.custom_id, "response": response, "error": error}
-
-
-def anthropic_batch_line(row: ItemRow) -> dict[str, Any]:
-    """The Anthropic Message Batches results line shape (``result.type``: succeeded, errored, canceled)."""
-    result: dict[str, Any]
-    if row.state == ItemState.SUCCEEDED:
-        result = {"type": "succeeded", "message": json_or_none(row.response.encode()) if row.response else None}
-    elif row.state == ItemState.CANCELLED:
-        result = {"type": "canceled"}
-    else:
-        err = _error(row) or {"class": row.state, "message": f"item is {row.state}"}
-        body = json_or_none(row.response.encode()) if row.response else None
-        if not (isinstance(body, dict) and body.get("type") == "error"):
-            body = {"type": "error", "error": {"type": err["class"], "message": err["message"]}}
-        result = {"type": "errored", "error": body}
-    return {"custom_id": row.custom_id, "result": result}
 
 
 def errors_line(row: ItemRow) -> dict[str, Any]:
@@ -317,11 +287,13 @@ def export_job(
         raise ExportError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
     spec = ledger.get_job(job_id).spec
     structured = spec.output.schema is not None
-    if fmt in _FORMAT_KINDS and spec.provider.kind not in _FORMAT_KINDS[fmt]:
+    # A batch format carries the provider's own answer bodies, so it fits only its providers' jobs.
+    batch_line = RESULTS_LINES.get(fmt)
+    kind = spec.provider.kind
+    if batch_line is not None and kind not in kinds_of_format(fmt):
         raise ExportError(
-            f"--format {fmt} holds {' or '.join(_FORMAT_KINDS[fmt])} answers, but job {job_id} is a "
-            f"{spec.provider.kind} job; use --format results"
-            + (" or anthropic-batch" if spec.provider.kind == "anthropic" else " or openai-batch")
+            f"--format {fmt} holds {' or '.join(kinds_of_format(fmt))} answers, but job {job_id} is a "
+            f"{kind} job; use --format results or {provider_entry(kind).batch_format}"
         )
     path = Path(output).absolute()
     errors_path = Path(errors).absolute() if errors else None
@@ -338,12 +310,10 @@ def export_job(
         for row in queries.iter_items(job_id):
             if row.item_id in shadowed:
                 continue  # its custom_id belongs to another line; it is listed in the errors file
-            if fmt == "results":
+            if batch_line is None:
                 yield results_line(row, structured=structured)
-            elif fmt == "openai-batch":
-                yield openai_batch_line(job_id, row)
             else:
-                yield anthropic_batch_line(row)
+                yield batch_line(job_id, row, _error(row))
 
     def write(target: Path, kind: str, rows: Iterable[dict[str, Any]]) -> int:
         # The hash is recorded before the rename: a crash between the two must not leave this

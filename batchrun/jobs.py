@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 
 from batchrun import tokens as token_count
@@ -25,6 +24,7 @@ from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input
 from batchrun.ledger import JobRecord, Ledger, LedgerQueries, ride_out
 from batchrun.pricing import Price, price_for
 from batchrun.providers import provider_for
+from batchrun.providers.http import Sender
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
 from batchrun.spec import JobSpec, Overrides
 from batchrun.states import ExitCode, ItemState, exit_code_for, no_counts
@@ -286,7 +286,7 @@ async def run_job(
     *,
     overrides: Overrides | None = None,
     options: RunOptions | None = None,
-    client: httpx.AsyncClient | None = None,
+    sender: Sender | None = None,
     on_start: Callable[[JobRunner], None] | None = None,
 ) -> RunSummary:
     """Work a job until it is finished or stopped; the run's end is recorded with its exit code.
@@ -297,7 +297,7 @@ async def run_job(
     job = ledger.get_job(job_id)
     spec = effective_spec(job, overrides)
     provider = provider_for(spec)
-    runner = JobRunner(ledger, job, spec, provider, options, client=client)
+    runner = JobRunner(ledger, job, spec, provider, options, sender=sender)
     if runner.admission.spend is not None and unbounded_answers(spec):
         log.warning(
             "the spec sets no [request] max_tokens, so the budget reserves the provider's default guess of an "

@@ -67,8 +67,9 @@ from batchrun.errors import (
 from batchrun.health import LATENCIES_KEPT, Health
 from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Ledger, LedgerQueries, Outcome
 from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger
-from batchrun.providers import Provider, Reply, make_client, send
+from batchrun.providers import Provider, Reply
 from batchrun.providers.base import PreparedRequest
+from batchrun.providers.http import Sender
 from batchrun.pricing import Price, price_for
 from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SharedTokenBucket, TokenBucket
 from batchrun.spec import JobSpec
@@ -165,7 +166,7 @@ class JobRunner:
         provider: Provider,
         options: RunOptions | None = None,
         *,
-        client: httpx.AsyncClient | None = None,
+        sender: Sender | None = None,
         sleep: Callable[[float], Awaitable[None]] | None = None,
     ) -> None:
         self.ledger = ledger
@@ -175,7 +176,7 @@ class JobRunner:
         self.options = options or RunOptions()
         self.stats = RunStats()
         self.run_id = ""
-        self._client = client
+        self._sender = sender
         self._sleep = sleep
         self._stop = asyncio.Event()
         self._stop_reason: StopReason | None = None
@@ -219,7 +220,7 @@ class JobRunner:
         )
         self._crash: BaseException | None = None
         self._held_slots = 0
-        self._cache_scope = cache_scope(provider.kind, spec.provider.anthropic_version)
+        self._cache_scope = cache_scope(spec.provider)
         # Flush often enough that slots held by committed-to-be answers come back quickly.
         self._flush_count = max(8, min(self.options.flush_count, spec.run.concurrency // 2))
         self._wait = _WaitRetryAfter(
@@ -294,9 +295,9 @@ class JobRunner:
                 LedgerQueries(self.ledger.engine).recent_latencies, self.job.id, LATENCIES_KEPT
             ):
                 self.health.note_latency(seconds)  # the pace waits for this run's own answers
-            owns_client = self._client is None
-            if self._client is None:
-                self._client = make_client(self.spec, transport=self.options.transport)
+            owns_sender = self._sender is None
+            if self._sender is None:
+                self._sender = Sender.for_spec(self.spec, transport=self.options.transport)
             deadline = None
             if self.spec.run.max_runtime > 0:
                 deadline = asyncio.get_running_loop().call_later(
@@ -322,9 +323,9 @@ class JobRunner:
             finally:
                 if deadline is not None:
                     deadline.cancel()
-                if owns_client:
-                    await self._client.aclose()
-                    self._client = None
+                if owns_sender:
+                    await self._sender.aclose()
+                    self._sender = None
         except SQLAlchemyError as exc:
             raise LedgerWriteError(
                 f"the ledger failed during the run: {exc.__class__.__name__}: {exc}. What was committed is safe; "
@@ -538,7 +539,7 @@ class JobRunner:
             error: ProviderError | None = None
             reply: Reply | None = None
             try:
-                reply = await send(self._http(), self.provider, request, total_timeout=self.health.attempt_timeout)
+                reply = await self._http().send(self.provider, request, total_timeout=self.health.attempt_timeout)
             except ProviderError as exc:
                 error = exc
             finally:
@@ -653,10 +654,10 @@ class JobRunner:
             return None
         return price.cost(reply.input_tokens or 0, reply.output_tokens or 0, reply.cached_tokens or 0)
 
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise RuntimeError("no HTTP client")
-        return self._client
+    def _http(self) -> Sender:
+        if self._sender is None:
+            raise RuntimeError("no HTTP sender")
+        return self._sender
 
     # -- outcomes -----------------------------------------------------------
 

@@ -20,13 +20,16 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from batchrun.errors import SpecError
+from batchrun.provider_registry import (
+    DEFAULT_ANTHROPIC_VERSION,
+    DEFAULT_KIND,
+    ENTRIES,
+    KINDS,
+    provider_entry,
+)
 
 if TYPE_CHECKING:
     from batchrun.pricing import Price
-
-PROVIDER_KINDS = ("openai", "openai-responses", "anthropic")
-DEFAULT_API_KEY_ENV = {"openai": "OPENAI_API_KEY", "openai-responses": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
-DEFAULT_ANTHROPIC_VERSION = "2023-06-01"
 
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
 _FIELD_PATH = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
@@ -95,12 +98,12 @@ class Template:
 
 @dataclass(frozen=True)
 class ProviderSpec:
-    kind: str = "openai"  # openai (Chat Completions), openai-responses, anthropic (Messages)
+    kind: str = DEFAULT_KIND  # one of the provider registry's kinds (batchrun/provider_registry.py)
     base_url: str | None = None
     model: str | None = None
-    api_key_env: str = "OPENAI_API_KEY"
-    anthropic_version: str = DEFAULT_ANTHROPIC_VERSION  # the anthropic-version header (kind = "anthropic")
-    convert_openai_input: bool = False  # anthropic: accept OpenAI Batch lines and convert their bodies
+    api_key_env: str = provider_entry(DEFAULT_KIND).api_key_env
+    anthropic_version: str = DEFAULT_ANTHROPIC_VERSION  # the anthropic-version header (read by that kind only)
+    convert_openai_input: bool = False  # accept OpenAI Batch lines and convert their bodies (where the kind can)
 
 
 def _known_fields(kind: type, stored: Mapping[str, Any]) -> dict[str, Any]:
@@ -342,14 +345,14 @@ def load_spec(path: str | Path, overrides: Overrides | None = None) -> JobSpec:
 def spec_for_batch_input(overrides: Overrides) -> JobSpec:
     """The spec of a job submitted without one: input already in a provider's batch form.
 
-    OpenAI Batch API lines by default; ``--provider anthropic`` for Anthropic
-    Message Batches lines, ``--provider openai-responses`` for Batch lines to /v1/responses.
+    The lines are in the batch form of ``--provider``'s kind (the registry's default
+    kind when it is not given).
     """
     if not overrides.base_url:
         raise SpecError("without a SPEC, --base-url is required (input must be in a provider's batch form)")
-    kind = overrides.provider_kind or "openai"
-    if kind not in PROVIDER_KINDS:
-        raise SpecError(f"--provider {kind!r}: expected one of {', '.join(PROVIDER_KINDS)}")
+    kind = overrides.provider_kind or DEFAULT_KIND
+    if kind not in KINDS:
+        raise SpecError(f"--provider {kind!r}: expected one of {', '.join(KINDS)}")
     data: dict[str, Any] = {"provider": {"kind": kind, "base_url": overrides.base_url}}
     if overrides.model:
         data["provider"]["model"] = overrides.model
@@ -361,7 +364,7 @@ _KNOWN = {
     "": {"name", "provider", "request", "run", "output", "pricing"},
     "pricing": {"input_per_million", "output_per_million", "cached_input_per_million"},
     "output": {"schema", "name", "strict", "validation_retries"},
-    "provider": {"kind", "base_url", "model", "api_key_env", "anthropic_version", "convert_openai_input"},
+    "provider": {f.name for f in dataclasses.fields(ProviderSpec)},
     "request": {"system", "template", "messages", "max_tokens", "temperature", "extra"},
     "run": {f.name for f in dataclasses.fields(RunSpec)},
 }
@@ -390,9 +393,10 @@ def parse_spec(
     ):
         _check_keys(table, name, where)
 
-    kind = _get(provider_t, "provider", "kind", str, where, "openai")
-    if kind not in PROVIDER_KINDS:
-        raise SpecError(f"{where}: [provider] kind = {kind!r}: expected one of {', '.join(PROVIDER_KINDS)}")
+    kind = _get(provider_t, "provider", "kind", str, where, DEFAULT_KIND)
+    if kind not in KINDS:
+        raise SpecError(f"{where}: [provider] kind = {kind!r}: expected one of {', '.join(KINDS)}")
+    entry = provider_entry(kind)
     base_url = _get(provider_t, "provider", "base_url", str, where, None)
     if base_url is not None:
         _check_base_url(base_url, where)
@@ -400,12 +404,13 @@ def parse_spec(
         kind=kind,
         base_url=base_url.rstrip("/") if base_url else None,
         model=_get(provider_t, "provider", "model", str, where, None),
-        api_key_env=_get(provider_t, "provider", "api_key_env", str, where, DEFAULT_API_KEY_ENV[kind]),
+        api_key_env=_get(provider_t, "provider", "api_key_env", str, where, entry.api_key_env),
         anthropic_version=_get(provider_t, "provider", "anthropic_version", str, where, DEFAULT_ANTHROPIC_VERSION),
         convert_openai_input=_get(provider_t, "provider", "convert_openai_input", bool, where, False),
     )
-    if provider.convert_openai_input and kind != "anthropic":
-        raise SpecError(f"{where}: [provider] convert_openai_input only applies to kind = \"anthropic\"")
+    if provider.convert_openai_input and not entry.converts_openai_input:
+        converting = " or ".join(f'"{e.kind}"' for e in ENTRIES if e.converts_openai_input)
+        raise SpecError(f"{where}: [provider] convert_openai_input only applies to kind = {converting}")
 
     raw_messages = request_t.get("messages", [])
     if not isinstance(raw_messages, list) or not all(

@@ -1,22 +1,24 @@
 """Providers: one module per API; nothing outside this package knows their shapes.
 
-==================  ==========================================  ============================
-kind                API                                         module
-==================  ==========================================  ============================
-openai              Chat Completions (and compatible servers)   :mod:`.openai`
-openai-responses    Responses                                   :mod:`.openai_responses`
-anthropic           Messages                                    :mod:`.anthropic`
-==================  ==========================================  ============================
+Each API has its module (:mod:`.openai`, :mod:`.openai_responses`, :mod:`.anthropic`)
+and an entry in :mod:`batchrun.provider_registry`, which lists the kinds. :mod:`.base`
+holds the :class:`Provider` protocol and the request/reply types, :mod:`.http` sends
+requests, :mod:`.batch_formats` builds the batch APIs' results lines. Importing this
+package does not load the HTTP stack.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from batchrun.errors import SpecError
-from batchrun.providers.base import PreparedRequest, Provider, Reply, make_client, send
+from batchrun.provider_registry import provider_entry
+from batchrun.providers.base import PreparedRequest, Provider, Reply
 from batchrun.redact import register_secret
-from batchrun.spec import JobSpec
+
+if TYPE_CHECKING:
+    from batchrun.spec import JobSpec
 
 
 def provider_for(spec: JobSpec, *, api_key: str | None = None, read_key: bool = True) -> Provider:
@@ -27,20 +29,8 @@ def provider_for(spec: JobSpec, *, api_key: str | None = None, read_key: bool = 
     register_secret(api_key)
     if not spec.provider.base_url:
         raise SpecError("[provider] base_url is not set (give it in the spec or with --base-url)")
-    kind = spec.provider.kind
-    if kind == "openai":
-        from batchrun.providers.openai import OpenAIProvider
-
-        return OpenAIProvider(spec, api_key)
-    if kind == "openai-responses":
-        from batchrun.providers.openai_responses import OpenAIResponsesProvider
-
-        return OpenAIResponsesProvider(spec, api_key)
-    if kind == "anthropic":
-        from batchrun.providers.anthropic import AnthropicProvider
-
-        return AnthropicProvider(spec, api_key)
-    raise SpecError(f"provider kind {kind!r} is not supported")
+    provider: Provider = provider_entry(spec.provider.kind).load()(spec, api_key)
+    return provider
 
 
-__all__ = ["PreparedRequest", "Provider", "Reply", "make_client", "provider_for", "send"]
+__all__ = ["PreparedRequest", "Provider", "Reply", "provider_for"]

@@ -23,6 +23,7 @@ import orjson
 
 from batchrun.errors import ProviderError, RetryableError, SpecError
 from batchrun.jsonutil import json_or_none
+from batchrun.provider_registry import provider_entry
 from batchrun.providers.base import (
     JSON_HEADERS,
     PreparedRequest,
@@ -30,7 +31,6 @@ from batchrun.providers.base import (
     Reply,
     StreamAssembler,
     TokenEstimate,
-    error_for_status,
     estimate_tokens,
     followup_turns,
     int_header,
@@ -38,6 +38,7 @@ from batchrun.providers.base import (
     stream_error,
     stream_event_json,
 )
+from batchrun.providers.http import error_for_status
 from batchrun.spec import JobSpec
 
 MESSAGES_PATH = "/messages"
@@ -75,6 +76,7 @@ class AnthropicProvider:
         self.headers = httpx.Headers(headers)  # built once; each request copies it cheaply
         self.warnings: list[str] = []
         self.stream = spec.run.stream
+        self.answer_limit_keys = provider_entry(self.kind).max_tokens_params
         if spec.has_template and spec.request.max_tokens is None:
             raise SpecError(
                 f"{spec.path or 'spec'}: [request] max_tokens is required by the Anthropic Messages API"
@@ -228,7 +230,7 @@ class AnthropicProvider:
 
     def estimate_tokens(self, request: PreparedRequest) -> TokenEstimate:
         """~4 bytes of request JSON per prompt token (tiktoken does not have Claude's encoding), plus max_tokens."""
-        return estimate_tokens(request.content, ("max_tokens",))
+        return estimate_tokens(request.content, self.answer_limit_keys)
 
 
 class MessageStreamAssembler:

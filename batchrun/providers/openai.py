@@ -12,6 +12,7 @@ import orjson
 from batchrun import tokens
 from batchrun.errors import PermanentError, ProviderError, RetryableError
 from batchrun.jsonutil import json_or_none
+from batchrun.provider_registry import provider_entry
 from batchrun.providers.base import (
     JSON_HEADERS,
     PreparedRequest,
@@ -19,7 +20,6 @@ from batchrun.providers.base import (
     Reply,
     StreamAssembler,
     TokenEstimate,
-    error_for_status,
     estimate_tokens,
     followup_turns,
     int_header,
@@ -27,6 +27,7 @@ from batchrun.providers.base import (
     stream_error,
     stream_event_json,
 )
+from batchrun.providers.http import error_for_status
 from batchrun.ratelimit import parse_reset
 from batchrun.spec import JobSpec
 from batchrun.tokens import REPLY_PRIMING, TOKENS_PER_MESSAGE, count_tokens
@@ -55,6 +56,7 @@ class OpenAIProvider:
         self.warnings: list[str] = []
         self.response_format = self._response_format(spec)
         self.stream = spec.run.stream
+        self.answer_limit_keys = provider_entry(self.kind).max_tokens_params
 
     def _response_format(self, spec: JobSpec) -> dict[str, Any] | None:
         """``response_format`` with the job's schema: strict when the schema allows it."""
@@ -185,7 +187,7 @@ class OpenAIProvider:
     def estimate_tokens(self, request: PreparedRequest) -> TokenEstimate:
         """The prompt counted with tiktoken when it is installed and knows the model, else ~4 bytes
         of request JSON per token; plus the answer's limit."""
-        return estimate_tokens(request.content, ("max_completion_tokens", "max_tokens"), chat_prompt_tokens)
+        return estimate_tokens(request.content, self.answer_limit_keys, chat_prompt_tokens)
 
 
 def chat_prompt_tokens(data: dict[str, Any]) -> int | None:

@@ -163,7 +163,7 @@ class OpenAIResponsesProvider(OpenAIProvider):
 
     def estimate_tokens(self, request: PreparedRequest) -> TokenEstimate:
         """As for chat: tiktoken's count of the instructions and input when it can, else the byte heuristic."""
-        return estimate_tokens(request.content, ("max_output_tokens",), responses_prompt_tokens)
+        return estimate_tokens(request.content, self.answer_limit_keys, responses_prompt_tokens)
 
 
 def responses_prompt_tokens(data: dict[str, Any]) -> int | None:

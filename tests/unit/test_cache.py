@@ -76,8 +76,11 @@ def test_what_is_asked_and_where_counts() -> None:
     assert key({**BODY, "messages": [{"role": "user", "content": "hi!"}]}) != base
     assert key(url="http://127.0.0.1:10/v1/chat/completions") != base
     assert key(scope="openai-responses") != base
-    assert cache_scope("anthropic", "2023-06-01") != cache_scope("anthropic", "2024-01-01")
-    assert cache_scope("openai", "2023-06-01") == "openai"  # the Anthropic version only matters to Anthropic
+    older = spec_of("anthropic", anthropic_version="2023-06-01").provider
+    assert cache_scope(older) == "anthropic anthropic-version=2023-06-01"  # as keys stored before the registry
+    assert cache_scope(older) != cache_scope(spec_of("anthropic", anthropic_version="2024-01-01").provider)
+    # The Anthropic version only matters to Anthropic.
+    assert cache_scope(spec_of("openai", anthropic_version="2024-01-01").provider) == "openai"
 
 
 def test_the_schema_is_part_of_the_request() -> None:

@@ -308,19 +308,3 @@ def test_seconds_until_reset_reads_rfc3339() -> None:
     soon = datetime.datetime.fromtimestamp(time.time() + 10, datetime.UTC).isoformat().replace("+00:00", "Z")
     assert 8 < (_seconds_until(soon) or 0) <= 10
     assert _seconds_until("not a time") is None
-
-
-@pytest.mark.parametrize(
-    "url", ["http://127.0.0.1:8765/v1/chat/completions", "https://api.openai.com/v1/responses", "http://h:80/v1/messages"]
-)
-def test_the_request_handed_to_the_transport_is_the_one_httpx_builds(url: str) -> None:
-    from batchrun.providers.base import PreparedRequest, _http_request
-
-    headers = httpx.Headers({"content-type": "application/json", "authorization": "Bearer k", "user-agent": "batchrun"})
-    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "héllo"}]})
-    ours = _http_request(PreparedRequest(url, headers, body), {"read": 5.0})
-    theirs = httpx.Request("POST", url, headers=headers, content=body)
-    assert (ours.method, ours.url, ours.headers.raw, ours.content) == (
-        theirs.method, theirs.url, theirs.headers.raw, theirs.content
-    )
-    assert ours.extensions == {"timeout": {"read": 5.0}}

@@ -26,7 +26,7 @@ def test_export_and_list_start_without_rich() -> None:
 
 
 def test_the_check_is_not_vacuous() -> None:
-    assert fresh_python("import sys, batchrun.providers\nprint('aiohttp' in sys.modules and 'httpx' in sys.modules)") == "True"
+    assert fresh_python("import sys, batchrun.providers.http\nprint('aiohttp' in sys.modules and 'httpx' in sys.modules)") == "True"
 
 
 def test_a_run_without_a_schema_does_not_load_jsonschema() -> None:

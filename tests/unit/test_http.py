@@ -1,0 +1,97 @@
+"""The HTTP side of providers without a network: the Sender over an injected transport."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+import orjson
+import pytest
+
+from batchrun.errors import RateLimitedError, RetryableError
+from batchrun.providers import Provider, Reply, provider_for
+from batchrun.providers.base import PreparedRequest
+from batchrun.providers.http import Sender, _http_request
+from batchrun.spec import parse_spec
+
+ANSWER = {"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+          "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+
+
+def chat_provider() -> Provider:
+    spec = parse_spec({"provider": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"},
+                       "request": {"template": "{text}"}}, where="test.toml")
+    return provider_for(spec, api_key="sk-test-0123456789abcdef")
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:8765/v1/chat/completions", "https://api.openai.com/v1/responses", "http://h:80/v1/messages"]
+)
+def test_the_request_handed_to_the_transport_is_the_one_httpx_builds(url: str) -> None:
+    headers = httpx.Headers({"content-type": "application/json", "authorization": "Bearer k", "user-agent": "batchrun"})
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "héllo"}]})
+    ours = _http_request(PreparedRequest(url, headers, body), {"read": 5.0})
+    theirs = httpx.Request("POST", url, headers=headers, content=body)
+    assert (ours.method, ours.url, ours.headers.raw, ours.content) == (
+        theirs.method, theirs.url, theirs.headers.raw, theirs.content
+    )
+    assert ours.extensions == {"timeout": {"read": 5.0}}
+
+
+def test_a_sender_sends_on_the_transport_it_is_given_and_closes_it() -> None:
+    seen: list[httpx.Request] = []
+    closed: list[bool] = []
+
+    class Recording(httpx.MockTransport):
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=ANSWER, headers={"x-request-id": "req-1"})
+
+    provider = chat_provider()
+    request = provider.prepare(None, orjson.dumps({"messages": [{"role": "user", "content": "hi"}]}).decode())
+
+    async def go() -> Reply:
+        async with Sender(Recording(answer), httpx.Timeout(5.0)) as sender:
+            return await sender.send(provider, request, total_timeout=5.0)
+
+    reply = asyncio.run(go())
+    assert (reply.output, reply.input_tokens, reply.request_id) == ("hi", 3, "req-1")
+    assert [str(r.url) for r in seen] == ["http://127.0.0.1:9/v1/chat/completions"]
+    assert seen[0].headers["authorization"] == "Bearer sk-test-0123456789abcdef"
+    assert seen[0].extensions["timeout"] == httpx.Timeout(5.0).as_dict()
+    assert closed == [True]
+
+
+def test_a_sender_classifies_statuses_and_transport_failures() -> None:
+    provider = chat_provider()
+    request = provider.prepare(None, orjson.dumps({"messages": []}).decode())
+
+    def send(handler: Callable[[httpx.Request], httpx.Response]) -> BaseException:
+        async def go() -> None:
+            async with Sender(httpx.MockTransport(handler), httpx.Timeout(5.0)) as sender:
+                await sender.send(provider, request, total_timeout=5.0)
+
+        with pytest.raises(Exception) as info:
+            asyncio.run(go())
+        return info.value
+
+    def limited(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(429, json={"error": {"message": "slow down"}}, headers={"retry-after": "7"})
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    error = send(limited)
+    assert isinstance(error, RateLimitedError) and error.retry_after == 7.0 and "slow down" in str(error)
+    error = send(refused)
+    assert isinstance(error, RetryableError) and error.error_class == "connection"
+
+
+def test_an_unknown_transport_is_refused() -> None:
+    spec = parse_spec({"provider": {"base_url": "http://h"}}, where="test.toml")
+    with pytest.raises(ValueError, match="expected aiohttp or httpx"):
+        Sender.for_spec(spec, transport="carrier-pigeon")
