@@ -1000,7 +1000,8 @@ class Round:
         for proc in self.procs:
             if not proc.wait(max(0.1, deadline - time.monotonic())):
                 self.problem(f"{proc.name} {proc.command} still running at the round's deadline; killed")
-                proc.send(signal.SIGKILL)
+                if proc.send(signal.SIGKILL):
+                    self.result.disruptive += 1  # a kill like any other: the paid-work bounds count it
                 proc.wait(10)
 
     def recover(self) -> None:
@@ -1012,7 +1013,8 @@ class Round:
             last = self.spawn_work()
             if not last.wait(max(30.0, ROUND_DEADLINE_S - (time.monotonic() - self.procs[0].started))):
                 self.problem(f"{last.name} {last.command} (recovery) did not finish; killed")
-                last.send(signal.SIGKILL)
+                if last.send(signal.SIGKILL):
+                    self.result.disruptive += 1
                 last.wait(10)
                 return
             if last.code in (0, 1):
