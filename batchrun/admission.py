@@ -2,15 +2,17 @@
 
 ::
 
-    async with admission.slot(estimate, ready=...) as slot:
+    async with admission.slot(estimate, ready=..., confirm=...) as slot:
         reply = await send(...)          # or a ProviderError
         slot.settle(reply, cost, error)
 
-:meth:`Admission.slot` waits, in this order (tuned; see bench/RESULTS.md):
+:meth:`Admission.slot` waits, in this order. The order was tuned (bench/RESULTS.md:
+the pace within a slot since ``12132f8``, T2; the window last of the rate
+waits since ``d8ac5c9``, T3s); keep it.
 
 1. a concurrency slot (:class:`~batchrun.ratelimit.AdaptiveConcurrency`: slow
-   start, the window, a shared pause after a 429), so backoff sleeps and the
-   waits below hold one slot each at most;
+   start, the window, a shared pause after a 429), taken per attempt, so
+   backoff sleeps between attempts hold none;
 2. the send pace (:class:`~batchrun.ratelimit.SendPacer`): slots handed back
    together do not go out together;
 3. the request budget (``rpm``), then 4. the token budget (``tpm``, charged the
@@ -20,11 +22,12 @@
    the time it counts is the send's;
 6. the spend reservation (:class:`~batchrun.budget.SpendBudget`: the request's
    worst case; :class:`~batchrun.errors.BudgetExceededError` stops the run);
-7. ``ready``, the caller's last word (the run still owns the item) — the run
-   may have stalled in the waits above.
+7. ``ready()``, the caller's last word (the run still owns the item), and if
+   it says no, ``confirm()`` to learn afresh — the run may have stalled in the
+   waits above.
 
-Whatever fails, is cancelled or is stopped before the block hands back all it
-took (slot and reservation), and :class:`NotAdmitted` means "the run is
+Whatever fails, is cancelled or is stopped before the block hands back the
+slot and the reservation (rate budget already taken stays spent), and :class:`NotAdmitted` means "the run is
 stopping: nothing was sent". Inside the block the request is in flight:
 :meth:`Slot.settle` settles it once its fate is known (the reservation to
 what it cost, the token budget to the tokens used, the provider's rate-limit
@@ -81,19 +84,26 @@ class Admission:
         self._latencies = latencies  # the latest answers' latencies, oldest first: the pace follows them
         self._answers = 0
         self._stopped = False
+        #: Whether :meth:`slot` needs the request's token estimate (a token or spend budget).
+        self.counts_tokens = token_budget is not None or spend is not None
 
     @property
     def stopping(self) -> bool:
         return self._stopped
 
-    @property
-    def counts_tokens(self) -> bool:
-        """Whether :meth:`slot` needs the request's token estimate (a token or spend budget)."""
-        return self.token_budget is not None or self.spend is not None
+    def slot(
+        self,
+        estimate: int,
+        *,
+        ready: Callable[[], bool] | None = None,
+        confirm: Callable[[], Awaitable[None]] | None = None,
+    ) -> Slot:
+        """Wait for everything a request of ``estimate`` tokens needs (``async with``).
 
-    def slot(self, estimate: int, *, ready: Callable[[], Awaitable[bool]] | None = None) -> Slot:
-        """Wait for everything a request of ``estimate`` tokens needs (``async with``)."""
-        return Slot(self, estimate, ready)
+        ``ready`` says whether the request may still be sent; when it says no
+        after the waits, ``confirm`` is awaited to learn afresh and ``ready`` asked again.
+        """
+        return Slot(self, estimate, ready, confirm)
 
     def stop(self) -> None:
         """The run is stopping: wake every waiter; slots not yet taken raise :class:`NotAdmitted`."""
@@ -148,20 +158,26 @@ class Admission:
 class Slot:
     """One request's way through :class:`Admission`: what it holds, and settling it once."""
 
-    __slots__ = ("_admission", "estimate", "held", "_ready", "_settled")
+    __slots__ = ("_admission", "estimate", "held", "_ready", "_confirm", "_settled")
 
-    def __init__(self, admission: Admission, estimate: int, ready: Callable[[], Awaitable[bool]] | None) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        estimate: int,
+        ready: Callable[[], bool] | None,
+        confirm: Callable[[], Awaitable[None]] | None,
+    ) -> None:
         self._admission = admission
         self.estimate = estimate
         self.held: float | None = None  # USD held of the spend budget
         self._ready = ready
+        self._confirm = confirm
         self._settled = False
 
     async def __aenter__(self) -> Slot:
         a = self._admission
         if not await a.controller.acquire():
             raise NotAdmitted
-        ready = True
         try:
             if pause := a.pacer.delay():
                 await asyncio.sleep(pause)
@@ -175,12 +191,12 @@ class Slot:
                 self.held = await a.spend.reserve(self.estimate)  # BudgetExceededError: stop the run
                 if self.held is None:
                     raise NotAdmitted
-            if self._ready is not None:
-                ready = await self._ready()
+            if self._ready is not None and not self._ready() and self._confirm is not None:
+                await self._confirm()
         except BaseException:
             self._hand_back()
             raise
-        if a.stopping or not ready:
+        if a.stopping or (self._ready is not None and not self._ready()):
             self._hand_back()
             raise NotAdmitted
         return self

@@ -530,7 +530,9 @@ class JobRunner:
             raise NotAdmitted
         request = self._request(work)
         estimate = self.provider.estimate_tokens(request).total if self.admission.counts_tokens else 0
-        async with self.admission.slot(estimate, ready=lambda: self._may_send(work)) as slot:
+        # Last before the send, the run may have stalled in the waits: it sends only what it still owns.
+        ready, confirm = lambda: self._owns(work), lambda: self._confirm(work)
+        async with self.admission.slot(estimate, ready=ready, confirm=confirm) as slot:
             queue_wait_ms = (time.monotonic() - work.ready_at) * 1000.0
             started = time.time()
             t0 = time.perf_counter()
@@ -567,12 +569,6 @@ class JobRunner:
         return self.provider.prepare(
             work.item.url, work.item.body, max_tokens=work.item.max_tokens, followups=work.followups
         )
-
-    async def _may_send(self, work: _ItemWork) -> bool:
-        """Last before the send (the run may have stalled in the waits): whether it still owns ``work``."""
-        if not self._owns(work):
-            await self._confirm(work)
-        return self._owns(work)
 
     def _learn(self, work: _ItemWork, reply: Reply | None, error: ProviderError | None, latency_s: float) -> bool:
         """Tell health and admission how an attempt went; whether it counts against the item's attempts."""

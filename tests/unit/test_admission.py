@@ -37,12 +37,13 @@ class Parts:
     tokens: TokenBucket = field(default_factory=lambda: TokenBucket(0.6))  # holds 1: a take of 5 leaves -4
     window: RequestWindow = field(default_factory=lambda: RequestWindow(0.6))  # one request per 100 s
     spend: SpendBudget = field(default_factory=lambda: SpendBudget(10.0, PRICE))
+    owned: bool = True  # what ready() says
+    confirmed: bool = True  # what a confirmation finds
     ready_calls: int = 0
-    ready_gate: asyncio.Event = field(default_factory=asyncio.Event)
-    ready_answer: bool = True
+    confirm_gate: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
-        self.ready_gate.set()
+        self.confirm_gate.set()
         self.admission = Admission(
             self.controller, pacer=self.pacer, request_budget=self.requests, token_budget=self.tokens,
             request_window=self.window, spend=self.spend,
@@ -65,12 +66,16 @@ class Parts:
         elif stage == "spend":
             assert await self.spend.reserve(8) == 8.0  # 8 + 5 > 10: waits for it to settle
         elif stage == "ready":
-            self.ready_gate.clear()
+            self.owned = False
+            self.confirm_gate.clear()
 
-    async def ready(self) -> bool:
+    def ready(self) -> bool:
         self.ready_calls += 1
-        await self.ready_gate.wait()
-        return self.ready_answer
+        return self.owned
+
+    async def confirm(self) -> None:
+        await self.confirm_gate.wait()
+        self.owned = self.confirmed
 
     def taken(self) -> dict[str, bool]:
         """Which waits this request has passed (the pace leaves no trace to read)."""
@@ -103,7 +108,7 @@ def roomy(spend: SpendBudget | None = None) -> Parts:
 
 
 async def enter(parts: Parts, entered: asyncio.Event) -> None:
-    async with parts.admission.slot(ESTIMATE, ready=parts.ready) as slot:
+    async with parts.admission.slot(ESTIMATE, ready=parts.ready, confirm=parts.confirm) as slot:
         entered.set()
         slot.settle(reply(), 0.0, None)
 
@@ -136,7 +141,7 @@ def test_a_request_that_passes_every_wait_holds_a_slot_and_its_worst_case() -> N
     async def go() -> None:
         parts = Parts()
         parts.mark()
-        async with parts.admission.slot(ESTIMATE, ready=parts.ready) as slot:
+        async with parts.admission.slot(ESTIMATE, ready=parts.ready, confirm=parts.confirm) as slot:
             assert all(parts.taken().values())
             assert slot.held == 5.0 and parts.spend.reserved == 5.0
             slot.settle(reply(), 0.5, None)
@@ -172,7 +177,7 @@ def test_a_stop_during_the_last_check_sends_nothing() -> None:
         task = asyncio.create_task(enter(parts, asyncio.Event()))
         await asyncio.sleep(0.05)
         parts.admission.stop()
-        parts.ready_gate.set()  # the run still owns the item, but it is stopping
+        parts.confirm_gate.set()  # the run still owns the item, but it is stopping
         with pytest.raises(NotAdmitted):
             await asyncio.wait_for(task, 1)
         assert parts.holds_nothing()
@@ -183,7 +188,7 @@ def test_a_stop_during_the_last_check_sends_nothing() -> None:
 @pytest.mark.parametrize(
     ("make", "raised"),
     [
-        (lambda: Parts(ready_answer=False), NotAdmitted),  # the run no longer owns the item
+        (lambda: Parts(owned=False, confirmed=False), NotAdmitted),  # the run no longer owns the item
         (lambda: Parts(spend=SpendBudget(10.0, PRICE, spent_usd=6.0)), BudgetExceededError),  # 6 + 5 > 10
     ],
     ids=["not-owned", "over-budget"],
