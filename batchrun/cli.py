@@ -29,7 +29,15 @@ from batchrun.errors import (
     UsageError,
 )
 from batchrun.export import FORMATS, check_target, export_job
-from batchrun.ledger import RETRY_FILTERS, Ledger, LedgerQueries, default_db_path, resolve_db_url
+from batchrun.ledger import (
+    RETRY_FILTERS,
+    Ledger,
+    LedgerQueries,
+    database_error_line,
+    default_db_path,
+    is_database_error,
+    resolve_db_url,
+)
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import Overrides, load_spec, spec_for_batch_input
@@ -68,20 +76,14 @@ def handle_errors(fn: F) -> F:
         except BatchrunError as exc:
             _fail(exc)
         except Exception as exc:
-            if not _is_database_error(exc):
+            if not is_database_error(exc):
                 raise
             # The database went away past what a command rides out (a PostgreSQL restart during an
             # export, a full disk): what was committed is safe, the command can simply be run again.
-            first_line = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-            _fail(LedgerWriteError(f"the ledger failed: {first_line}; nothing committed is lost: "
+            _fail(LedgerWriteError(f"the ledger failed: {database_error_line(exc)}; nothing committed is lost: "
                                    "run the same command again when the database is back"))
 
     return wrapper  # type: ignore[return-value]
-
-
-def _is_database_error(exc: BaseException) -> bool:
-    """An error of the database layer (checked by module, so no command imports SQLAlchemy for it)."""
-    return type(exc).__module__.split(".")[0] in ("sqlalchemy", "psycopg", "sqlite3")
 
 
 db_option = click.option(

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from batchrun.errors import BatchrunError, LedgerWriteError, UsageError
 from batchrun.jobs import effective_spec
-from batchrun.ledger import LEDGER_RETRY_SECONDS, AsyncLedger, Ledger, LedgerQueries
+from batchrun.ledger import LEDGER_RETRY_SECONDS, AsyncLedger, Ledger, LedgerQueries, is_database_error
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides
@@ -167,7 +167,7 @@ class Worker:
             await self._drain()
             code = ExitCode.TEMPFAIL
         except Exception as exc:
-            if not isinstance(exc, BatchrunError) and _is_ledger_failure(exc):
+            if not isinstance(exc, BatchrunError) and is_database_error(exc):
                 message = (
                     f"the ledger stayed unreachable for {self.options.ledger_retry_seconds:g} s: "
                     f"{type(exc).__name__}: {exc}. What was committed is safe; start the worker again"
@@ -296,9 +296,3 @@ class Worker:
             log.warning("cannot tell whether work is left: %s", exc)
             return ExitCode.TEMPFAIL
         return ExitCode.TEMPFAIL if left else ExitCode.OK
-
-
-def _is_ledger_failure(exc: BaseException) -> bool:
-    from sqlalchemy.exc import SQLAlchemyError
-
-    return isinstance(exc, SQLAlchemyError)

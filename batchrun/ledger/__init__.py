@@ -3,7 +3,7 @@ reads, and :class:`AsyncLedger`, which calls the ledger from the event loop."""
 
 from __future__ import annotations
 
-from batchrun.ledger.engine import default_db_path, resolve_db_url
+from batchrun.ledger.engine import database_error_line, default_db_path, is_database_error, resolve_db_url
 from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger, ride_out
 from batchrun.ledger.queries import AttemptTotals, Distribution, ErrorGroup, ItemRow, LedgerQueries, SharedOutputs
 from batchrun.ledger.store import RETRY_FILTERS, AttemptRecord, ClaimedItem, JobRecord, Ledger, Outcome
@@ -23,7 +23,9 @@ __all__ = [
     "LedgerQueries",
     "Outcome",
     "SharedOutputs",
+    "database_error_line",
     "default_db_path",
+    "is_database_error",
     "resolve_db_url",
     "ride_out",
 ]

@@ -202,9 +202,18 @@ def open_engine(db: str | os.PathLike[str] | None) -> Engine:
             "(for PostgreSQL install batchrun[postgres])"
         ) from exc
     except (SQLAlchemyError, OSError, ValueError) as exc:
-        cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        raise LedgerError(f"cannot open ledger {_safe_url(url)}: {cause}") from exc
+        raise LedgerError(f"cannot open ledger {_safe_url(url)}: {database_error_line(exc)}") from exc
     return engine
+
+
+def is_database_error(exc: BaseException) -> bool:
+    """An error of the database layer: SQLAlchemy's, or the driver's where it is used directly (COPY)."""
+    return type(exc).__module__.split(".")[0] in ("sqlalchemy", "psycopg", "sqlite3")
+
+
+def database_error_line(exc: BaseException) -> str:
+    """The driver's message, first line only (no driver hint, no SQLAlchemy background link)."""
+    return str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
 
 
 def _safe_url(url: str) -> str:
