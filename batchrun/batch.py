@@ -55,7 +55,7 @@ from batchrun.pricing import Price, price_for
 from batchrun.providers import Provider, batch_api_for, provider_for
 from batchrun.providers.base import PreparedRequest
 from batchrun.providers.batches import BatchApi, BatchRefusedError, RemoteBatch, ResultLine, spooled
-from batchrun.spec import JobSpec
+from batchrun.spec import BATCH_DISCOUNT, JobSpec
 from batchrun.states import ItemState, ShardState, StopReason
 from batchrun.validate import OutputValidator, feedback
 
@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 ID_MARGIN = 24  # bytes a line may grow by when its custom_id is replaced by "i<item id>"
 RESULTS_CHUNK = 500  # results lines written back per transaction
 MAX_REFUSALS = 5  # shards the provider refuses in a row before the run stops
+CANCELLING = frozenset({"cancelling", "cancelled", "canceling", "ended"})  # a cancel is under way or moot
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class BatchRunner:
         self._refusals = 0
         self._token_cap: int | None = None  # learnt from token_limit_exceeded: enqueued tokens that fit
         self._go_online = False
+        self._cancel_sent: set[int] = set()  # shards this run asked the provider to cancel
 
     # -- control ------------------------------------------------------------
 
@@ -227,11 +229,16 @@ class BatchRunner:
     async def _advance(self, shard: ShardRecord) -> None:
         """One step of a shard, by its state."""
         try:
-            if shard.state == ShardState.PREPARING:
+            if shard.cancel_reason == "user" and shard.state == ShardState.PREPARING:
+                back = await self._ledger(self.shards.close, shard, self.run_id, left=ItemState.CANCELLED)
+                self._event(f"shard {shard.id}: cancelled before it reached the provider ({back} items cancelled)")
+            elif shard.state == ShardState.PREPARING:
                 await self._submit(shard)
             elif shard.state == ShardState.CREATING:
                 await self._reconcile(shard)
             elif shard.state == ShardState.LIVE:
+                if shard.cancel_reason and shard.id not in self._cancel_sent and shard.provider_status not in CANCELLING:
+                    await self._cancel_live([shard], shard.cancel_reason)
                 if time.monotonic() >= self._next_poll.get(shard.id, 0.0):
                     await self._poll(shard)
             elif shard.state == ShardState.ENDED:
@@ -657,10 +664,7 @@ class BatchRunner:
         if price is None and reply.model:
             if reply.model not in self._model_prices:
                 listed = price_for(reply.model)
-                self._model_prices[reply.model] = None if listed is None else dataclasses.replace(
-                    listed, input=listed.input / 2, output=listed.output / 2,
-                    cached_input=None if listed.cached_input is None else listed.cached_input / 2,
-                )
+                self._model_prices[reply.model] = None if listed is None else listed.scaled(BATCH_DISCOUNT)
             price = self._model_prices[reply.model]
         if price is None:
             return None
@@ -684,16 +688,19 @@ class BatchRunner:
                                 "deadline")
 
     async def _cancel_live(self, shards: list[ShardRecord], reason: str) -> None:
+        """Cancel live shards at the provider (what they finished is still collected)."""
         for shard in shards:
             if shard.batch_id is None:
                 continue
+            self._cancel_sent.add(shard.id)
             try:
                 batch = await self.api.cancel(shard.batch_id)
             except ProviderError as exc:
                 log.warning("shard %d: cancel failed: %s", shard.id, exc.message)
                 continue
-            await self._ledger(self.shards.update, shard, self.run_id, cancel_reason=reason,
+            await self._ledger(self.shards.update, shard, self.run_id, cancel_reason=shard.cancel_reason or reason,
                                provider_status=batch.status)
+            self._next_poll[shard.id] = 0.0
 
     async def _heartbeat(self) -> None:
         while True:
@@ -728,3 +735,40 @@ class BatchRunner:
 
 def _counts_text(batch: RemoteBatch) -> str:
     return " ".join(f"{k}={v}" for k, v in batch.counts.items() if v) or ""
+
+
+@dataclass(frozen=True)
+class CancelledShards:
+    """What ``batchrun cancel`` did to a job's provider batches."""
+
+    shards: int  # open shards, now marked cancelled by the user
+    items: int  # the items they hold: what finished is still collected, the rest becomes cancelled
+    problems: tuple[str, ...] = ()  # shards the provider could not be told about (cancelled at the next run)
+
+
+async def cancel_shards(
+    ledger: Ledger, job: JobRecord, *, transport: httpx.AsyncBaseTransport | None = None
+) -> CancelledShards:
+    """Mark the job's open shards cancelled by the user and cancel the live ones at the provider.
+
+    Finished lines are kept: the next run collects them, and what was never worked
+    becomes ``cancelled``. A shard not yet at the provider is cancelled when that
+    run reconciles it.
+    """
+    shards = await asyncio.to_thread(ShardLedger(ledger).cancel_requested, job.id)
+    if not shards:
+        return CancelledShards(0, 0)
+    spec = dataclasses.replace(job.spec, run=dataclasses.replace(job.spec.run, stream=False))
+    problems: list[str] = []
+    api = batch_api_for(spec, provider_for(spec), transport=transport, retry_seconds=30.0)
+    try:
+        for shard in shards:
+            if shard.batch_id is None or shard.state != ShardState.LIVE:
+                continue
+            try:
+                await api.cancel(shard.batch_id)
+            except ProviderError as exc:
+                problems.append(f"shard {shard.id} ({shard.batch_id}): {exc.message}")
+    finally:
+        await api.aclose()
+    return CancelledShards(len(shards), sum(s.requests for s in shards), tuple(problems))

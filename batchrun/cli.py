@@ -40,10 +40,11 @@ from batchrun.ledger import (
 )
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
-from batchrun.spec import Overrides, load_spec, spec_for_batch_input
+from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
 from batchrun.states import USER_RETRYABLE_STATES, ExitCode, ItemState, StopReason
 
 if TYPE_CHECKING:
+    from batchrun.batch import BatchRunner
     from batchrun.jobs import DryRun, RunSummary
     from batchrun.scheduler import JobRunner
     from batchrun.worker import Worker, WorkerResult
@@ -134,6 +135,20 @@ def override_options(fn: F) -> F:
     return fn
 
 
+def mode_options(fn: F) -> F:
+    """Batch mode's flags, on submit and resume."""
+    fn = click.option(
+        "--wait/--no-wait", "wait", default=None,
+        help="Batch mode: wait for the provider's batches to end (default on a terminal), or exit 75 once "
+        "everything is at the provider; a later `batchrun resume JOB` collects it.",
+    )(fn)
+    return click.option(
+        "--mode", type=click.Choice(MODES), default=None,
+        help="online: one request per attempt; batch: through the provider's batch API at the batch price "
+        "(overrides [run] mode; a job may switch on resume).",
+    )(fn)
+
+
 def _overrides(kw: dict[str, Any]) -> Overrides:
     return Overrides.from_flags({**kw, "cache": False if kw.get("no_cache") else None})
 
@@ -194,10 +209,16 @@ def _work(
     quiet: bool,
     log_file: str | None = None,
     progress_interval: float = 10.0,
+    wait: bool | None = None,
 ) -> RunSummary:
-    """Run a job with signal handling and the progress display; the only asyncio.run."""
+    """Run a job with signal handling and the progress display; the only asyncio.run.
+
+    ``wait`` (batch mode): wait for the provider's batches to end; None: on a terminal only.
+    """
+    from batchrun.batch import BatchOptions
     from batchrun.jobs import run_job
     from batchrun.progress import show_progress
+    from batchrun.scheduler import JobRunner as OnlineRunner
     from batchrun.scheduler import RunOptions
 
     counts = LedgerQueries(ledger.engine).counts(job_id)
@@ -207,13 +228,13 @@ def _work(
         progress: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
 
-        def started(runner: JobRunner) -> None:
+        def started(runner: JobRunner | BatchRunner) -> None:
             nonlocal progress
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, _on_signal, runner, runner.spec.run.grace_seconds, signum)
             if interrupt.stop_requested():  # came after the last stop point, before these handlers
                 runner.request_stop(StopReason.SIGNAL, f"stopped by {interrupt.received()}")
-            if not quiet or log_file:
+            if isinstance(runner, OnlineRunner) and progress is None and (not quiet or log_file):
                 progress = asyncio.create_task(show_progress(runner, todo, interval=progress_interval, quiet=quiet))
 
         try:
@@ -223,6 +244,8 @@ def _work(
                 overrides=overrides,
                 options=RunOptions(command=command, transport=transport),
                 on_start=started,
+                batch=BatchOptions(command=command, wait=sys.stderr.isatty() if wait is None else wait),
+                on_event=None if quiet else lambda message: click.echo(f"batchrun: {message}", err=True),
             )
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -277,7 +300,7 @@ def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
-def _on_signal(runner: JobRunner | Worker, grace_seconds: float, signum: int) -> None:
+def _on_signal(runner: JobRunner | BatchRunner | Worker, grace_seconds: float, signum: int) -> None:
     """First SIGINT/SIGTERM: stop claiming and drain. Second (counting one before the run): exit 75
     now (leases expire; a resume or another worker takes the items back)."""
     interrupt.note(signum)
@@ -409,10 +432,11 @@ def _finish(
               help="Only store the job and its items (exit 0); `batchrun worker` processes work it.")
 @db_option
 @override_options
+@mode_options
 @handle_errors
 def submit(spec: str | None, input_path: str, output: str | None, fmt: str, errors: str | None, force: bool,
            new: bool, strict: bool, as_json: bool, dry_run: bool, no_run: bool, db: str | None, quiet: bool, transport: str,
-           **kw: Any) -> None:
+           wait: bool | None, **kw: Any) -> None:
     """Submit INPUT under job SPEC and work it to the end.
 
     The same SPEC and input content find the existing job and carry it on
@@ -468,7 +492,8 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
             return
         _stop_point(prepared.job_id, ledger=ledger, as_json=as_json)
         summary = _work(ledger, prepared.job_id, overrides=overrides, command="submit", transport=transport,
-                        quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"])
+                        quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"],
+                        wait=wait)
         _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
 
 
@@ -510,6 +535,11 @@ def _show_dry_run(report: DryRun, *, as_json: bool) -> None:
         f"  cost      {usd(report.cost_min)} (prompts only) to {usd(report.cost_max)} (every answer at its limit), "
         f"at {rate}"
     )
+    if report.mode == "batch":
+        click.echo(
+            f"  batch     {usd(report.batch_min_usd)} to {usd(report.batch_max_usd)} through the provider's batch API "
+            "([run] mode = \"batch\": the batch price, answers within 24 h)"
+        )
     if report.budget_usd > 0:
         verdict = (
             "the whole input fits even at the maximum" if report.cost_max <= report.budget_usd
@@ -527,9 +557,10 @@ def _show_dry_run(report: DryRun, *, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
 @db_option
 @override_options
+@mode_options
 @handle_errors
 def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bool, as_json: bool,
-           db: str | None, quiet: bool, transport: str, **kw: Any) -> None:
+           db: str | None, quiet: bool, transport: str, wait: bool | None, **kw: Any) -> None:
     """Carry on JOB: pending items and those a dead run left running. Finished items are never sent again.
 
     \b
@@ -549,7 +580,8 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
             finish_interrupted_ingest(ledger, job, should_stop)
         _stop_point(job, ledger=ledger, as_json=as_json)
         summary = _work(ledger, job, overrides=overrides, command="resume", transport=transport,
-                        quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"])
+                        quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"],
+                        wait=wait)
         _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
 
 
@@ -818,11 +850,32 @@ def revalidate(job: int, schema_path: str | None, as_json: bool, db: str | None)
 @db_option
 @handle_errors
 def cancel(job: int, db: str | None) -> None:
-    """Cancel JOB's pending and running items (finished ones are kept)."""
+    """Cancel JOB's pending and running items (finished ones are kept).
+
+    In batch mode the job's live provider batches are cancelled at the provider too:
+    what they finished is kept (the next `batchrun resume JOB` collects it), the rest
+    becomes cancelled.
+    """
+    from batchrun.ledger.shards import ShardLedger
+
     with _open(db) as ledger:
-        ledger.get_job(job)
+        record = ledger.get_job(job)
         n = ledger.cancel(job)
+        shards = None
+        if ShardLedger(ledger).shards(job, open_only=True):
+            from batchrun.batch import cancel_shards
+
+            shards = _run_loop(cancel_shards(ledger, record))
     click.echo(f"{n} items of job {job} cancelled")
+    if shards is None:
+        return
+    if shards.shards:
+        click.echo(
+            f"batchrun: {shards.shards} provider batches ({shards.items} items) cancelled at the provider; what they "
+            f"finished is kept: collect it with `batchrun resume {job}`", err=True,
+        )
+    for problem in shards.problems:
+        click.echo(f"batchrun: could not cancel {problem}; the next run cancels it", err=True)
 
 
 @main.command()

@@ -84,7 +84,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
     # throughput nor as items the cost and error rate are spread over.
     answered = counts[ItemState.SUCCEEDED] - cached
     throughput = answered / elapsed if elapsed else None
-    remaining = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
+    remaining = counts[ItemState.PENDING] + counts[ItemState.RUNNING] + counts[ItemState.SUBMITTED]
     worked = answered + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
     histogram = {"0": total - sum(per_item.values())} | {str(n): per_item[n] for n in sorted(per_item)}
     dists = {m: queries.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
@@ -116,9 +116,53 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "errors_by_class": _groups(by_class),
         "errors_by_status": _groups(queries.errors_by_status(job_id)),
         "attempts_histogram": histogram,
+        "batch": batch_status(ledger, job_id),
         "as_of": time.time(),
     }
     return data, dists, totals
+
+
+def batch_status(ledger: Ledger, job_id: int) -> dict[str, Any] | None:
+    """Batch mode's part of ``status``: the job's shards, how its answers came, shard turnaround
+    (None for a job that never had a shard)."""
+    from batchrun.ledger.shards import ShardLedger
+
+    shards = ShardLedger(ledger)
+    rows = shards.shards(job_id)
+    if not rows:
+        return None
+    now = time.time()
+    turnaround = shards.turnarounds(rows[0].kind)
+    typical = turnaround[len(turnaround) // 2] if turnaround else None
+    listed = []
+    for shard in rows:
+        started = shard.provider_created_at or shard.created_at
+        eta = None
+        if shard.is_open and typical is not None:
+            eta = max(0.0, started + typical - now)
+        listed.append({
+            "shard": shard.id,
+            "batch_id": shard.batch_id,
+            "state": shard.state,
+            "provider_status": shard.provider_status,
+            "requests": shard.requests,
+            "counts": dict(shard.counts),
+            "age_s": now - shard.created_at,
+            "turnaround_s": (shard.ended_at - started) if shard.ended_at else None,
+            "eta_s": eta,
+            "expires_at": shard.expires_at,
+            "cancel_reason": shard.cancel_reason,
+            "error": shard.error,
+        })
+    return {
+        "shards": listed,
+        "at_provider": sum(s.requests for s in rows if s.is_open),
+        "answered": shards.answered_by_route(job_id),
+        "turnaround_s": {
+            f"p{p}": turnaround[min(len(turnaround) - 1, len(turnaround) * p // 100)] if turnaround else None
+            for p in PERCENTILES
+        },
+    }
 
 
 def nice_step(raw: float) -> float:
@@ -316,6 +360,32 @@ def status_lines(data: dict[str, Any]) -> list[str]:
             )
         )
     lines.append("  attempts  " + "  ".join(f"{n}x {items}" for n, items in data["attempts_histogram"].items() if items))
+    lines += batch_lines(data.get("batch"))
+    return lines
+
+
+def batch_lines(batch: dict[str, Any] | None) -> list[str]:
+    """The shards of ``status``, a line each (the open ones; a count of the others)."""
+    if not batch:
+        return []
+    shards = batch["shards"]
+    open_ = [s for s in shards if s["state"] not in ("collected", "failed")]
+    answered = batch["answered"]
+    lines = [
+        f"  batches   {len(shards)} shards, {len(open_)} open, {batch['at_provider']} items at the provider; "
+        f"answered {answered['batch']} by batch, {answered['online']} online"
+    ]
+    for s in open_:
+        counts = " ".join(f"{k}={v}" for k, v in s["counts"].items() if v)
+        lines.append(
+            f"    shard {s['shard']}: {s['state']}"
+            + (f" ({s['provider_status']})" if s["provider_status"] else "")
+            + f" {s['requests']} requests" + (f" {counts}" if counts else "")
+            + (f" {s['batch_id']}" if s["batch_id"] else "")
+            + f", {fmt_seconds(s['age_s'])} old"
+            + (f", eta {fmt_seconds(s['eta_s'])}" if s["eta_s"] is not None else "")
+            + (f", cancel: {s['cancel_reason']}" if s["cancel_reason"] else "")
+        )
     return lines
 
 

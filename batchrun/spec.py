@@ -354,17 +354,14 @@ class JobSpec:
 
         online = self.price()
         p = self.pricing
-
-        def rate(batch: float | None, full: float | None) -> float | None:
-            return batch if batch is not None else None if full is None else full * BATCH_DISCOUNT
-
         if online is None and p.batch_input_per_million is None and p.batch_output_per_million is None:
             return None
-        base = online or Price(0.0, 0.0)
+        half = (online or Price(0.0, 0.0)).scaled(BATCH_DISCOUNT)
         return Price(
-            input=rate(p.batch_input_per_million, base.input) or 0.0,
-            output=rate(p.batch_output_per_million, base.output) or 0.0,
-            cached_input=rate(p.batch_cached_input_per_million, base.cached_input),
+            input=p.batch_input_per_million if p.batch_input_per_million is not None else half.input,
+            output=p.batch_output_per_million if p.batch_output_per_million is not None else half.output,
+            cached_input=p.batch_cached_input_per_million
+            if p.batch_cached_input_per_million is not None else half.cached_input,
         )
 
     def user_templates(self) -> tuple[Template | None, tuple[tuple[str, Template], ...]]:

@@ -199,6 +199,29 @@ class ShardLedger:
                 ).scalar_one()
             )
 
+    def answered_by_route(self, job_id: int) -> dict[str, int]:
+        """The job's succeeded items by how they were answered: ``batch`` (a shard's results) or ``online``."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(items_t.c.shard_id.is_(None), func.count())
+                .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.SUCCEEDED)
+                .group_by(items_t.c.shard_id.is_(None))
+            ).all()
+        by = {"batch": 0, "online": 0}
+        for online, n in rows:
+            by["online" if online else "batch"] += int(n)
+        return by
+
+    def turnarounds(self, kind: str, limit: int = 200) -> list[float]:
+        """Seconds from created to ended of this ledger's latest ended shards of a provider kind."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(shards_t.c.ended_at - func.coalesce(shards_t.c.provider_created_at, shards_t.c.created_at))
+                .where(shards_t.c.kind == kind, shards_t.c.ended_at.is_not(None))
+                .order_by(shards_t.c.id.desc()).limit(limit)
+            ).scalars().all()
+        return sorted(float(r) for r in rows if r is not None and r >= 0)
+
     def first_created_at(self, job_id: int) -> float | None:
         """When the job's first shard was made (its ``[batch] deadline`` counts from there)."""
         with self.engine.connect() as conn:
