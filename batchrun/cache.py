@@ -16,7 +16,7 @@ Left out on purpose:
   with different keys share answers);
 - ``stream`` and ``stream_options``: a streamed answer is stored as the body
   the same request would have had without streaming, so streaming on or off
-  asks the same question;
+  asks the same question; ``service_tier`` likewise (flex or not, the same question);
 - re-asks: an item's answer is filed under its first request even when it
   took a re-ask to get a valid one, because that request is what the next job
   will send first.
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the ledger imports this module; status and export must not 
     from batchrun.spec import ProviderSpec
 
 KEY_LENGTH = 64  # hex SHA-256, the width of items.request_hash
-STREAM_FIELDS = ("stream", "stream_options")  # how the answer travels, not what is asked
+DELIVERY_FIELDS = ("stream", "stream_options", "service_tier")  # how the answer travels, not what is asked
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def request_key(scope: str, request: PreparedRequest) -> str:
     """
     body = orjson.loads(request.content)
     if isinstance(body, dict):
-        for name in STREAM_FIELDS:
+        for name in DELIVERY_FIELDS:
             body.pop(name, None)
     digest = hashlib.sha256(scope.encode())
     digest.update(b"\n")

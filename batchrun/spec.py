@@ -146,6 +146,8 @@ class RunSpec:
     cache: bool = True
     # "online": one request per attempt; "batch": through the provider's batch API ([batch], half price).
     mode: str = "online"
+    # OpenAI's service_tier for online requests ("flex": batch prices, slower, 429s when busy); "": the default.
+    service_tier: str = ""
 
     @property
     def lock_stale_seconds(self) -> float:
@@ -159,6 +161,7 @@ class RunSpec:
 
 RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(RunSpec))
 MODES = ("online", "batch")  # [run] mode, --mode
+FLEX_TIMEOUT = 900.0  # [run] timeout under service_tier = "flex" unless the spec sets one (OpenAI's advice)
 
 
 @dataclass(frozen=True)
@@ -495,6 +498,8 @@ def parse_spec(
         expected = _expected(default)
         value = _get(run_t, "run", f.name, expected, where, default)
         run_values[f.name] = float(value) if expected is float else value
+    if run_values["service_tier"] == "flex" and "timeout" not in run_t:
+        run_values["timeout"] = FLEX_TIMEOUT
     run = RunSpec(**run_values)
     _check_run(run, where)
     if "budget_usd" in run_t:
