@@ -248,6 +248,8 @@ class BatchRunner:
         except RetryableError as exc:  # the provider is having a bad moment: try this shard again later
             log.warning("shard %d (%s): %s; trying again later", shard.id, shard.state, exc.message)
             self._back_off(shard)
+        except ProviderError as exc:  # a refusal that waiting cannot mend (a batch gone, a bad request)
+            self.request_stop(StopReason.ERROR, f"shard {shard.id} ({shard.batch_id or shard.state}): {exc.message}")
 
     # -- planning and submitting ---------------------------------------------
 
@@ -255,7 +257,7 @@ class BatchRunner:
         """Plan and commit one more shard, and submit it; False when none can be made now."""
         open_shards = await self._ledger(self.shards.shards, self.job.id, open_only=True)
         with spooled(f"batchrun-{self.job.id}-") as path:
-            plan, failures = await asyncio.to_thread(self._plan, open_shards, path)
+            plan, failures = await self._db.call(self._plan, open_shards, path)
             if failures:
                 await self._ledger(self.shards.fail_items, self.job.id, self.run_id, failures)
             if plan is None:
@@ -271,8 +273,8 @@ class BatchRunner:
     def _plan(
         self, open_shards: list[ShardRecord], path: Path
     ) -> tuple[ShardPlan | None, dict[int, tuple[str, str]]]:
-        """The next shard's items, its request file written to ``path`` as they are chosen (on a
-        thread: it builds each request); and the items no batch can take."""
+        """The next shard's items, its request file written to ``path`` as they are chosen (on the
+        ledger's thread: it reads items and builds each request); and the items no batch can take."""
         api, batch = self.api, self.spec.batch
         max_requests = min(api.max_requests, batch.max_requests or api.max_requests)
         fmt = api.file_format
@@ -365,7 +367,7 @@ class BatchRunner:
         return model if isinstance(model, str) else None
 
     def _write_file(self, shard: ShardRecord, path: Path) -> int:
-        """The shard's request file, from its items (on a thread); the requests written."""
+        """The shard's request file, from its items (on the ledger's thread); the requests written."""
         fmt, n = self.api.file_format, 0
         with path.open("wb") as out:
             out.write(fmt.head)
@@ -384,7 +386,7 @@ class BatchRunner:
         """
         with spooled(f"batchrun-{shard.token}-") as spool:
             path = built or spool
-            if built is None and await asyncio.to_thread(self._write_file, shard, path) == 0:
+            if built is None and await self._db.call(self._write_file, shard, path) == 0:
                 await self._ledger(self.shards.close, shard, self.run_id)  # its items went elsewhere meanwhile
                 return
             if shard.input_file_id is None:
@@ -394,7 +396,8 @@ class BatchRunner:
                     shard = await self._ledger(self.shards.update, shard, self.run_id, input_file_id=file_id)
             # Committed (and the lock confirmed) right before the call: from here on the batch may exist.
             shard = await self._ledger(
-                self.shards.update, shard, self.run_id, state=ShardState.CREATING, create_sent_at=time.time()
+                self.shards.update, shard, self.run_id, state=ShardState.CREATING, create_sent_at=time.time(),
+                run_id=self.run_id,
             )
             try:
                 batch = await self.api.create(shard, path)
@@ -450,8 +453,9 @@ class BatchRunner:
         # None found. Only conclude "never created" once no create of it can still be on its way,
         # and a second listing a little later agrees.
         sent = shard.create_sent_at or shard.created_at
-        if shard.id not in self._answered and time.time() < sent + self.api.create_timeout + 30.0:
-            return
+        if (shard.id not in self._answered and time.time() < sent + self.api.create_timeout + 30.0
+                and shard.run_id != self.run_id and await self._ledger(self.shards.run_may_be_alive, shard.run_id)):
+            return  # the run that sent it may still be waiting for its answer (stalled, on another host)
         first = self._missing_since.setdefault(shard.id, time.monotonic())
         if time.monotonic() - first < self.options.reconcile_wait:
             return
@@ -534,7 +538,8 @@ class BatchRunner:
         failed: dict[int, str] = {}
         lines = {e.line: e.message for e in batch.errors if e.line}
         if lines:
-            for number, item in enumerate(await asyncio.to_thread(lambda: list(self.shards.iter_shard_items(shard.id))), 1):
+            items = await self._db.call(lambda: list(self.shards.iter_shard_items(shard.id)))
+            for number, item in enumerate(items, 1):
                 if number in lines:
                     failed[item.id] = lines[number]
         await self._refused(shard, reason, failed)

@@ -12,6 +12,7 @@ transaction) charges nothing twice.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,13 +23,14 @@ from sqlalchemy import Connection, func, insert, select, update
 
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import items as items_t
+from batchrun.ledger.models import runs as runs_t
 from batchrun.ledger.models import shards as shards_t
-from batchrun.ledger.store import AttemptRecord, Ledger, Outcome, _no_nul
+from batchrun.ledger.store import AttemptRecord, Ledger, Outcome, _no_nul, _pid_alive
 from batchrun.states import OPEN_SHARD_STATES, ItemState, ShardState
 
 # What a shard's row may be updated with after it is made (ShardLedger.update).
 _MUTABLE = frozenset({
-    "state", "input_file_id", "batch_id", "output_file_id", "error_file_id", "provider_status", "counts",
+    "state", "run_id", "input_file_id", "batch_id", "output_file_id", "error_file_id", "provider_status", "counts",
     "create_sent_at", "provider_created_at", "in_progress_at", "ended_at", "expires_at", "collected_at",
     "cancel_reason", "error",
 })
@@ -222,6 +224,16 @@ class ShardLedger:
             ).scalars().all()
         return sorted(float(r) for r in rows if r is not None and r >= 0)
 
+    def run_may_be_alive(self, run_id: str | None) -> bool:
+        """Whether the run may still be at work: not ended, and not a process known dead on this host."""
+        if run_id is None:
+            return False
+        with self.engine.connect() as conn:
+            row = conn.execute(select(runs_t.c.pid, runs_t.c.host, runs_t.c.ended_at).where(runs_t.c.id == run_id)).first()
+        if row is None or row.ended_at is not None:
+            return False
+        return not (row.host == socket.gethostname() and not _pid_alive(row.pid))
+
     def first_created_at(self, job_id: int) -> float | None:
         """When the job's first shard was made (its ``[batch] deadline`` counts from there)."""
         with self.engine.connect() as conn:
@@ -270,15 +282,18 @@ class ShardLedger:
             row = conn.execute(select(shards_t).where(shards_t.c.id == shard_id)).one()
         return _shard(row)
 
-    def update(self, shard: ShardRecord, run_id: str, **values: Any) -> ShardRecord:
-        """Record what the provider said of a shard (ids, status, counts, times); the row as it is now."""
+    def update(self, shard: ShardRecord, holder: str, /, **values: Any) -> ShardRecord:
+        """Record what the provider said of a shard (ids, status, counts, times); the row as it is now.
+
+        ``holder`` is the run that holds the job lock (the fence).
+        """
         unknown = set(values) - _MUTABLE
         if unknown:
             raise ValueError(f"not a shard field that changes: {', '.join(sorted(unknown))}")
         if "counts" in values and values["counts"] is not None:
             values["counts"] = orjson.dumps(values["counts"]).decode()
         with self.ledger._write() as conn:
-            self.ledger._renew_lock(conn, shard.job_id, run_id)
+            self.ledger._renew_lock(conn, shard.job_id, holder)
             conn.execute(update(shards_t).where(shards_t.c.id == shard.id).values(**values))
             row = conn.execute(select(shards_t).where(shards_t.c.id == shard.id)).one()
         return _shard(row)
