@@ -297,6 +297,12 @@ def export_job(
             raise StoppedError(f"{interrupt.received() or 'signal'}: {exc.message}; write it with: {again}") from exc
 
 
+def check_format(fmt: str) -> None:
+    """ExportError for a format we cannot write."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
+
+
 def export_command(
     job_id: int, output: str | os.PathLike[str], fmt: str = "results", errors: str | os.PathLike[str] | None = None
 ) -> str:
@@ -315,8 +321,7 @@ def _export(
     force: bool,
     should_stop: Callable[[], bool] | None,
 ) -> ExportResult:
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    check_format(fmt)
     spec = ledger.get_job(job_id).spec
     structured = spec.output.schema is not None
     # A batch format carries the provider's own answer bodies, so it fits only its providers' jobs.

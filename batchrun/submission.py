@@ -31,7 +31,7 @@ from typing import Any
 from batchrun import interrupt
 from batchrun.errors import BatchrunError, ExportWriteError, StoppedError
 from batchrun.eventloop import run_sync
-from batchrun.export import ExportResult, check_target, export_command, export_job
+from batchrun.export import ExportResult, check_format, check_target, export_command, export_job
 from batchrun.jobs import PreparedJob, RunSummary, finish_interrupted_ingest, prepare_job, run_job
 from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.providers.http import Sender
@@ -99,7 +99,9 @@ class _Target:
     force: bool
 
     def check(self, ledger: Ledger, job_id: int) -> None:
-        """Refuse output files we may not replace, before anything is sent."""
+        """Refuse an unknown format and output files we may not replace, before anything is sent."""
+        if self.output:
+            check_format(self.fmt)
         for target in (self.output, self.errors):
             if target:
                 check_target(ledger, job_id, Path(target).absolute(), force=self.force)

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from batchrun import interrupt
-from batchrun.errors import ExportWriteError, JobNotFoundError, StoppedError
+from batchrun.errors import ExportError, ExportWriteError, JobNotFoundError, StoppedError
 from batchrun.jobs import PreparedJob
 from batchrun.ledger import Ledger
 from batchrun.scheduler import JobRunner, RunOptions
@@ -160,6 +160,14 @@ def test_an_export_that_cannot_be_written_is_the_results_error(
     assert list(data) == JSON_KEYS
     assert data["exit_code"] == ExitCode.TEMPFAIL and data["counts"][ItemState.SUCCEEDED] == 6
     assert data["output"] is None and data["stop_reason"] is None
+
+
+def test_an_unknown_format_is_refused_before_anything_is_sent(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], tmp_path: Path
+) -> None:
+    with pytest.raises(ExportError, match="unknown format 'jsonl'"):
+        submit(ledger, job_spec(server), records(write_jsonl), output=tmp_path / "out.jsonl", fmt="jsonl")
+    assert len(server.log) == 0
 
 
 def test_resume_has_every_key_and_refuses_an_unknown_job(
