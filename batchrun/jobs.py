@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -11,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from batchrun import interrupt
 from batchrun import tokens as token_count
 from batchrun.budget import budget_price, unbounded_answers
 from batchrun.errors import (
@@ -288,11 +290,13 @@ async def run_job(
     options: RunOptions | None = None,
     sender: Sender | None = None,
     on_start: Callable[[JobRunner], None] | None = None,
+    handle_signals: bool = False,
 ) -> RunSummary:
     """Work a job until it is finished or stopped; the run's end is recorded with its exit code.
 
-    ``on_start`` gets the runner before work begins (to show progress, or to
-    wire signals to :meth:`JobRunner.request_stop`).
+    ``on_start`` gets the runner before work begins (to show progress, or to stop
+    it with :meth:`JobRunner.request_stop`). With ``handle_signals``, SIGINT/SIGTERM
+    stop the run for its duration (:func:`batchrun.interrupt.stop_on_signals`).
     """
     job = ledger.get_job(job_id)
     spec = effective_spec(job, overrides)
@@ -305,7 +309,13 @@ async def run_job(
         )
     if on_start:
         on_start(runner)
-    result = await runner.run()
+    signals = (
+        interrupt.stop_on_signals(runner, lambda: runner.spec.run.grace_seconds)
+        if handle_signals
+        else contextlib.nullcontext()
+    )
+    with signals:
+        result = await runner.run()
     counts = LedgerQueries(ledger.engine).counts(job_id)
     code = exit_code_for(counts, result.stop_reason, ingest_done=ledger.get_job(job_id).ingest_done)
     ledger.end_run(job_id, result.run_id, code)
