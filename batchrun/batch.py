@@ -79,6 +79,7 @@ class BatchOptions:
     ledger_retry_seconds: float = LEDGER_RETRY_SECONDS
     api_retry_seconds: float = 300.0  # how long a provider call that fails transiently is retried
     transport: httpx.AsyncBaseTransport | None = None  # tests: the batch API's HTTP transport
+    on_event: Callable[[str], None] | None = None  # hears what the shards do (created, polled, collected)
 
 
 @dataclass
@@ -110,8 +111,6 @@ class BatchRunner:
         job: JobRecord,
         spec: JobSpec,
         options: BatchOptions | None = None,
-        *,
-        on_event: Callable[[str], None] | None = None,
     ) -> None:
         self.ledger = ledger
         self.job = job
@@ -125,7 +124,7 @@ class BatchRunner:
         self.shards = ShardLedger(ledger)
         self.stats = BatchStats()
         self.run_id = ""
-        self._on_event = on_event
+        self._on_event = self.options.on_event
         self._db = AsyncLedger(ledger, ride_out_seconds=self.options.ledger_retry_seconds, thread_name="batchrun-batch")
         self._stop = asyncio.Event()
         self._stop_reason: StopReason | None = None

@@ -5,12 +5,10 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-import batchrun
-
 
 def bundled_dir(name: str) -> Path:
     """``migrations`` or ``jobs``: inside the installed wheel, or at the top of a source checkout."""
-    packaged = resources.files(batchrun) / name
+    packaged = resources.files("batchrun") / name
     if packaged.is_dir():
         return Path(str(packaged))
-    return Path(batchrun.__file__).resolve().parent.parent / name
+    return Path(__file__).resolve().parent.parent / name

@@ -6,14 +6,10 @@ plain path is a SQLite file. Exit codes are those of DESIGN.md.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
-import gc
 import logging
-import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -21,40 +17,24 @@ import click
 import orjson
 
 from batchrun import interrupt
-from batchrun.errors import (
-    BatchrunError,
-    ExportWriteError,
-    LedgerWriteError,
-    StoppedError,
-    UsageError,
-)
-from batchrun.export import FORMATS, check_target, export_job
-from batchrun.ledger import (
-    RETRY_FILTERS,
-    Ledger,
-    LedgerQueries,
-    database_error_line,
-    default_db_path,
-    is_database_error,
-    resolve_db_url,
-)
+from batchrun.errors import BatchrunError, LedgerWriteError, StoppedError, UsageError
+from batchrun.eventloop import run_sync
+from batchrun.export import FORMATS, export_job
+from batchrun.ledger import RETRY_FILTERS, Ledger, database_error_line, default_db_path, is_database_error
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
-from batchrun.states import USER_RETRYABLE_STATES, ExitCode, ItemState, StopReason
+from batchrun.states import USER_RETRYABLE_STATES, ExitCode
 
 if TYPE_CHECKING:
-    from batchrun.batch import BatchRunner
-    from batchrun.jobs import DryRun, RunSummary
-    from batchrun.scheduler import JobRunner
-    from batchrun.worker import Worker, WorkerResult
+    from batchrun.batch import BatchOptions
+    from batchrun.jobs import DryRun, PreparedJob
+    from batchrun.submission import OnStart, SubmitResult
 
 # The run machinery (httpx, aiohttp, tenacity) is imported only by the commands
 # that send requests, so status/list/export start fast.
 
 F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
-RUN_GC_THRESHOLD = (700, 10, 10)  # CPython's defaults
 # Commands that keep SIGINT/SIGTERM held from start-up (batchrun/interrupt.py): they store, send or
 # write, and a signal stops them at a clean point with exit 75. The others get the usual behaviour.
 RUN_COMMANDS = frozenset({"submit", "resume", "worker", "export", "demo"})
@@ -149,6 +129,16 @@ def mode_options(fn: F) -> F:
     )(fn)
 
 
+def _batch_options(command: str, wait: bool | None, quiet: bool) -> BatchOptions:
+    """How a batch-mode run of this command behaves: wait on a terminal (or as told); its events on stderr."""
+    from batchrun.batch import BatchOptions
+
+    return BatchOptions(
+        command=command, wait=sys.stderr.isatty() if wait is None else wait,
+        on_event=None if quiet else lambda message: click.echo(f"batchrun: {message}", err=True),
+    )
+
+
 def _overrides(kw: dict[str, Any]) -> Overrides:
     return Overrides.from_flags({**kw, "cache": False if kw.get("no_cache") else None})
 
@@ -199,66 +189,6 @@ def main(verbose: int) -> None:
         handler.addFilter(RedactingFilter())
 
 
-def _work(
-    ledger: Ledger,
-    job_id: int,
-    *,
-    overrides: Overrides,
-    command: str,
-    transport: str,
-    quiet: bool,
-    log_file: str | None = None,
-    progress_interval: float = 10.0,
-    wait: bool | None = None,
-) -> RunSummary:
-    """Run a job with signal handling and the progress display; the only asyncio.run.
-
-    ``wait`` (batch mode): wait for the provider's batches to end; None: on a terminal only.
-    """
-    from batchrun.batch import BatchOptions
-    from batchrun.jobs import run_job
-    from batchrun.progress import show_progress
-    from batchrun.scheduler import JobRunner as OnlineRunner
-    from batchrun.scheduler import RunOptions
-
-    counts = LedgerQueries(ledger.engine).counts(job_id)
-    todo = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
-
-    async def go() -> RunSummary:
-        progress: asyncio.Task[None] | None = None
-        loop = asyncio.get_running_loop()
-
-        def started(runner: JobRunner | BatchRunner) -> None:
-            nonlocal progress
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, _on_signal, runner, runner.spec.run.grace_seconds, signum)
-            if interrupt.stop_requested():  # came after the last stop point, before these handlers
-                runner.request_stop(StopReason.SIGNAL, f"stopped by {interrupt.received()}")
-            if isinstance(runner, OnlineRunner) and progress is None and (not quiet or log_file):
-                progress = asyncio.create_task(show_progress(runner, todo, interval=progress_interval, quiet=quiet))
-
-        try:
-            return await run_job(
-                ledger,
-                job_id,
-                overrides=overrides,
-                options=RunOptions(command=command, transport=transport),
-                on_start=started,
-                batch=BatchOptions(command=command, wait=sys.stderr.isatty() if wait is None else wait),
-                on_event=None if quiet else lambda message: click.echo(f"batchrun: {message}", err=True),
-            )
-        finally:
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(signum)  # asyncio puts the default handlers back...
-            interrupt.rehold()  # ...and the export after the run needs ours
-            if progress is not None:
-                progress.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await progress
-
-    return _run_loop(go())
-
-
 def _log_to_file(path: str | None) -> None:
     """``--log-file``: JSON lines of every batchrun log record at INFO and above (DEBUG with -vv)."""
     if not path:
@@ -281,137 +211,57 @@ def _log_to_file(path: str | None) -> None:
     root.addHandler(handler)
 
 
-def _run_loop(coro: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run, on uvloop when it is installed (``batchrun[uvloop]``: ~10% less CPU per request).
+def _progress(quiet: bool, log_file: str | None = None, interval: float = 10.0) -> OnStart | None:
+    """The run's progress display on stderr (and its records for ``--log-file``), unless quiet."""
+    if quiet and not log_file:
+        return None
+    from batchrun.progress import show_progress
 
-    The objects made so far (modules, the spec) live as long as the process, so
-    the cyclic garbage collector stops walking them: its full collections paused
-    the loop for 40-100 ms several times a run while every answer waited, and
-    about half as long once these are frozen (bench/RESULTS.md, T2). The run
-    collects at the default thresholds again (start-up raised them).
-    """
-    gc.freeze()
-    gc.set_threshold(*RUN_GC_THRESHOLD)  # the command raised it for its start-up (batchrun/__main__.py)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
+    return lambda runner, todo: show_progress(runner, todo, interval=interval, quiet=quiet)
 
 
-def _on_signal(runner: JobRunner | BatchRunner | Worker, grace_seconds: float, signum: int) -> None:
-    """First SIGINT/SIGTERM: stop claiming and drain. Second (counting one before the run): exit 75
-    now (leases expire; a resume or another worker takes the items back)."""
-    interrupt.note(signum)
-    name = signal.Signals(signum).name
-    click.echo(
-        f"batchrun: {name}: finishing requests in flight (up to {grace_seconds:g} s); send again to stop at once",
-        err=True,
-    )
-    runner.request_stop(StopReason.SIGNAL, f"stopped by {name}")
+def _show_prepared(input_path: str) -> Callable[[PreparedJob], None]:
+    """Before the run: the job id on the first line of stdout, and some of the rejected lines."""
+
+    def show(prepared: PreparedJob) -> None:
+        click.echo(str(prepared.job_id))
+        if prepared.ingest and prepared.ingest.rejected:
+            click.echo(f"batchrun: {prepared.ingest.rejected} bad input lines were rejected, e.g.:", err=True)
+            for line, reason in prepared.ingest.rejections[:3]:
+                click.echo(f"  {input_path}:{line}: {reason}", err=True)
+        if not prepared.created:
+            click.echo(f"batchrun: carrying on job {prepared.job_id} (same spec and input)", err=True)
+
+    return show
 
 
-def _stoppable() -> contextlib.AbstractContextManager[Callable[[], bool]]:
-    """SIGINT/SIGTERM during a synchronous phase (reading the input, writing the output) ask it to
-    stop at a clean point.
-
-    Yields the ``should_stop`` callable to hand to the library; it raises
-    StoppedError (exit 75) between batches or lines, never in the middle of a write.
-    The command holds the signals all along; in-process callers get them held
-    for the block only.
-    """
-    return interrupt.holding()
-
-
-def _stop_point(job_id: int | None = None, *, ledger: Ledger | None = None, as_json: bool = False) -> None:
-    """A phase boundary outside the run loop: a signal that came meanwhile stops the command here
-    (exit 75) with what to run to carry on."""
-    name = interrupt.received()
-    if name is None:
-        return
-    if job_id is None:
-        raise StoppedError(f"stopped by {name} before the job was stored (nothing was sent); "
-                           "run the same command again to carry on")
-    if as_json and ledger is not None:
-        counts = LedgerQueries(ledger.engine).counts(job_id)
-        click.echo(orjson.dumps({"job_id": job_id, "total": sum(counts.values()), "counts": counts,
-                                 "exit_code": ExitCode.TEMPFAIL, "stop_reason": StopReason.SIGNAL, "output": None}).decode())
-    raise StoppedError(f"stopped by {name} before the run started; carry on with: batchrun resume {job_id}")
-
-
-def _export_command(job_id: int, output: str, fmt: str, errors: str | None) -> str:
-    """The ``batchrun export`` command that writes what an interrupted export did not."""
-    return (f"batchrun export {job_id} --output {output}" + (f" --format {fmt}" if fmt != "results" else "")
-            + (f" --errors {errors}" if errors else ""))
-
-
-def _finish(
-    ledger: Ledger,
-    summary: RunSummary,
-    *,
-    output: str | None,
-    fmt: str,
-    errors: str | None,
-    force: bool,
-    as_json: bool,
-) -> None:
-    exported = None
-    exit_code = summary.exit_code
-    unwritten: BatchrunError | None = None  # the job is finished, its output file is not
-    if output and exit_code in (ExitCode.OK, ExitCode.SOME_FAILED):
-        try:
-            with _stoppable() as should_stop:
-                exported = export_job(ledger, summary.job_id, output, fmt=fmt, errors=errors, force=force,
-                                      should_stop=should_stop)
-        except StoppedError as exc:
-            unwritten = StoppedError(
-                f"{interrupt.received() or 'signal'}: {exc.message}; job {summary.job_id} is finished; "
-                f"write the output with: {_export_command(summary.job_id, output, fmt, errors)}"
-            )
-        except ExportWriteError as exc:
-            unwritten = exc
-        if unwritten is not None:
-            exit_code = unwritten.exit_code
-    counts = summary.counts
-    cached = LedgerQueries(ledger.engine).cached_count(summary.job_id)
+def _show_result(result: SubmitResult, *, as_json: bool) -> None:
+    """How a submit or resume ended, then its exit code."""
+    exported = result.export
     if as_json:
+        click.echo(orjson.dumps(result.to_json()).decode())
+    elif result.ran:
         click.echo(
-            orjson.dumps(
-                {
-                    "job_id": summary.job_id,
-                    "total": sum(counts.values()),
-                    "counts": counts,
-                    "cached": cached,
-                    "exit_code": exit_code,
-                    "stop_reason": summary.result.stop_reason or (StopReason.SIGNAL if isinstance(unwritten, StoppedError) else None),
-                    "output": str(exported.path) if exported else None,
-                    "errors_file": str(exported.errors_path) if exported and exported.errors_path else None,
-                }
-            ).decode()
-        )
-    else:
-        click.echo(
-            (" ".join(f"{state}={n}" for state, n in counts.items() if n) or "no items")
-            + (f" ({cached} succeeded from the response cache)" if cached else "")
+            (" ".join(f"{state}={n}" for state, n in result.counts.items() if n) or "no items")
+            + (f" ({result.cached} succeeded from the response cache)" if result.cached else "")
         )
         if exported:
             click.echo(f"output: {exported.path} ({exported.lines} lines)")
             if exported.errors_path:
                 click.echo(f"errors: {exported.errors_path} ({exported.error_lines} lines)")
-    if summary.result.stop_message:
-        click.echo(f"batchrun: {summary.result.stop_message}", err=True)
-    if unwritten is not None:
-        _fail(unwritten)
-    if summary.exit_code == ExitCode.TEMPFAIL:
-        click.echo(f"batchrun: job {summary.job_id} has work left; carry on with: batchrun resume {summary.job_id}", err=True)
-    if summary.exit_code == ExitCode.BUDGET:
+    if result.stop_message:
+        click.echo(f"batchrun: {result.stop_message}", err=True)
+    if result.error is not None:
+        _fail(result.error)
+    if result.exit_code == ExitCode.TEMPFAIL:
+        click.echo(f"batchrun: job {result.job_id} has work left; carry on with: batchrun resume {result.job_id}", err=True)
+    if result.exit_code == ExitCode.BUDGET:
         click.echo(
-            f"batchrun: job {summary.job_id} has work left; carry on with a larger total budget: "
-            f"batchrun resume {summary.job_id} --budget-usd AMOUNT",
+            f"batchrun: job {result.job_id} has work left; carry on with a larger total budget: "
+            f"batchrun resume {result.job_id} --budget-usd AMOUNT",
             err=True,
         )
-    sys.exit(summary.exit_code)
+    sys.exit(result.exit_code)
 
 
 @main.command()
@@ -460,7 +310,8 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
       batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --budget-usd 5
       batchrun submit jobs/summarize.toml --input day2.jsonl       # day 1's records reused
     """
-    from batchrun.jobs import prepare_job
+    from batchrun.scheduler import RunOptions
+    from batchrun.submission import submit as submit_job
 
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
@@ -471,30 +322,15 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
         _show_dry_run(estimate(job_spec, input_path, strict=strict), as_json=as_json)
         return
     _log_to_file(kw.get("log_file"))
-    _stop_point()  # start-up (imports, the spec)
     with _open(db) as ledger:
-        _stop_point()
-        with _stoppable() as should_stop:
-            prepared = prepare_job(ledger, job_spec, input_path, new=new, strict=strict, should_stop=should_stop)
-        _check_targets(ledger, prepared.job_id, output, errors, force)
-        if not as_json:
-            click.echo(str(prepared.job_id))
-            if prepared.ingest and prepared.ingest.rejected:
-                click.echo(f"batchrun: {prepared.ingest.rejected} bad input lines were rejected, e.g.:", err=True)
-                for line, reason in prepared.ingest.rejections[:3]:
-                    click.echo(f"  {input_path}:{line}: {reason}", err=True)
-            if not prepared.created:
-                click.echo(f"batchrun: carrying on job {prepared.job_id} (same spec and input)", err=True)
-        if no_run:
-            if as_json:
-                counts = LedgerQueries(ledger.engine).counts(prepared.job_id)
-                click.echo(orjson.dumps({"job_id": prepared.job_id, "total": sum(counts.values()), "counts": counts}).decode())
-            return
-        _stop_point(prepared.job_id, ledger=ledger, as_json=as_json)
-        summary = _work(ledger, prepared.job_id, overrides=overrides, command="submit", transport=transport,
-                        quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"],
-                        wait=wait)
-        _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
+        result = submit_job(
+            ledger, job_spec, input_path, output=output, fmt=fmt, errors=errors, force=force, new=new, strict=strict,
+            run=not no_run, overrides=overrides, options=RunOptions(command="submit", transport=transport),
+            batch=_batch_options("submit", wait, quiet or as_json),
+            handle_signals=True, on_prepared=None if as_json else _show_prepared(input_path),
+            on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
+        )
+    _show_result(result, as_json=as_json)
 
 
 def _show_dry_run(report: DryRun, *, as_json: bool) -> None:
@@ -568,28 +404,18 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
       batchrun resume 3 --output results.jsonl
       batchrun resume 3 --budget-usd 20     # after exit 4: the job's new total budget
     """
-    from batchrun.jobs import finish_interrupted_ingest
+    from batchrun.scheduler import RunOptions
+    from batchrun.submission import resume as resume_job
 
-    overrides = _overrides(kw)
     _log_to_file(kw.get("log_file"))
-    _stop_point(job)  # start-up
     with _open(db) as ledger:
-        ledger.get_job(job)
-        _check_targets(ledger, job, output, errors, force)
-        with _stoppable() as should_stop:
-            finish_interrupted_ingest(ledger, job, should_stop)
-        _stop_point(job, ledger=ledger, as_json=as_json)
-        summary = _work(ledger, job, overrides=overrides, command="resume", transport=transport,
-                        quiet=quiet or as_json, log_file=kw.get("log_file"), progress_interval=kw["progress_interval"],
-                        wait=wait)
-        _finish(ledger, summary, output=output, fmt=fmt, errors=errors, force=force, as_json=as_json)
-
-
-def _check_targets(ledger: Ledger, job_id: int, output: str | None, errors: str | None, force: bool) -> None:
-    """Refuse output files we may not replace before anything is sent."""
-    for target in (output, errors):
-        if target:
-            check_target(ledger, job_id, Path(target).absolute(), force=force)
+        result = resume_job(
+            ledger, job, output=output, fmt=fmt, errors=errors, force=force, overrides=_overrides(kw),
+            options=RunOptions(command="resume", transport=transport), handle_signals=True,
+            batch=_batch_options("resume", wait, quiet or as_json),
+            on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
+        )
+    _show_result(result, as_json=as_json)
 
 
 def _latest_job(ledger: Ledger) -> int:
@@ -711,22 +537,20 @@ def compare(job_a: int, job_b: int, as_json: bool, examples: int, db: str | None
 @handle_errors
 def list_jobs(as_json: bool, db: str | None) -> None:
     """The jobs in the ledger with their counts."""
+    from batchrun.listing import list_jobs as listed_jobs
+
     with _open(db) as ledger:
-        listed = ledger.list_jobs()
-    rows = [
-        {"job_id": j.id, "name": j.name, "input": j.input_path, "total": sum(c.values()), "counts": c}
-        for j, c in listed
-    ]
+        listed = listed_jobs(ledger)
     if as_json:
-        click.echo(orjson.dumps(rows).decode())
+        click.echo(orjson.dumps([job.to_json() for job in listed]).decode())
         return
-    if not rows:
+    if not listed:
         click.echo("no jobs")
-    for r in rows:
-        c: dict[str, int] = r["counts"]  # type: ignore[assignment]
+    for job in listed:
+        c = job.counts
         click.echo(
-            f"{r['job_id']:>5}  {r['total']:>8} items  succeeded {c['succeeded']}  pending {c['pending'] + c['running']}"
-            f"  failed {c['failed'] + c['invalid_output']}  rejected {c['rejected']}  {r['name'] or r['input']}"
+            f"{job.job_id:>5}  {job.total:>8} items  succeeded {c['succeeded']}  pending {c['pending'] + c['running']}"
+            f"  failed {c['failed'] + c['invalid_output']}  rejected {c['rejected']}  {job.name or job.input_path}"
         )
 
 
@@ -746,12 +570,8 @@ def export_cmd(job: int, output: str, fmt: str, errors: str | None, force: bool,
       batchrun export 3 --output results.jsonl --errors errors.jsonl
       batchrun export 3 --output batch_output.jsonl --format openai-batch
     """
-    with _open(db) as ledger, _stoppable() as should_stop:
-        try:
-            result = export_job(ledger, job, output, fmt=fmt, errors=errors, force=force, should_stop=should_stop)
-        except StoppedError as exc:
-            again = _export_command(job, str(Path(output).absolute()), fmt, str(Path(errors).absolute()) if errors else None)
-            raise StoppedError(f"{interrupt.received() or 'signal'}: {exc.message}; write it with: {again}") from exc
+    with _open(db) as ledger:
+        result = export_job(ledger, job, output, fmt=fmt, errors=errors, force=force, handle_signals=True)
     click.echo(f"output: {result.path} ({result.lines} lines)")
     if result.errors_path:
         click.echo(f"errors: {result.errors_path} ({result.error_lines} lines)")
@@ -865,7 +685,7 @@ def cancel(job: int, db: str | None) -> None:
         if ShardLedger(ledger).shards(job, open_only=True):
             from batchrun.batch import cancel_shards
 
-            shards = _run_loop(cancel_shards(ledger, record))
+            shards = run_sync(cancel_shards(ledger, record))
     click.echo(f"{n} items of job {job} cancelled")
     if shards is None:
         return
@@ -912,7 +732,7 @@ def check(spec: str | None, input_path: str, line: int, as_json: bool, **kw: Any
 
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
-    result = _run_loop(check_spec(job_spec, input_path=input_path, line=line))
+    result = run_sync(check_spec(job_spec, input_path=input_path, line=line))
     click.echo(orjson.dumps(result.to_dict()).decode() if as_json else render_check(result))
     sys.exit(result.exit_code)
 
@@ -956,13 +776,8 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
       batchrun worker 3 7 --exit-when-idle --lease 60s  # jobs 3 and 7, exit when done
       batchrun status 3
     """
-    from batchrun.worker import DEFAULT_CONCURRENCY, Worker, WorkerOptions
+    from batchrun.worker import DEFAULT_CONCURRENCY, Worker, WorkerOptions, serve
 
-    if resolve_db_url(db).startswith("sqlite"):
-        raise UsageError(
-            "batchrun worker needs a PostgreSQL ledger (--db postgresql+psycopg://... or BATCHRUN_DB); a SQLite "
-            "ledger serves one run per job on one machine: use `batchrun submit` / `batchrun resume JOB` there"
-        )
     _log_to_file(kw.get("log_file"))  # log records only: a worker's jobs come and go, progress is `status`
     concurrency = kw.pop("concurrency") or DEFAULT_CONCURRENCY
     max_runtime = kw.pop("max_runtime") or 0.0
@@ -970,28 +785,13 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
         concurrency=concurrency, poll_interval=poll, exit_when_idle=exit_when_idle, max_runtime=max_runtime,
         lease_seconds=lease, ledger_retry_seconds=db_retry, transport=transport,
     )
-    _stop_point_worker()
-    with _open(db) as ledger:
-        runner = Worker(ledger, list(jobs) or None, overrides=_overrides(kw), options=options)
 
-        async def go() -> WorkerResult:
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, _on_signal, runner, runner.grace_seconds, signum)
-            if interrupt.stop_requested():  # came after the last stop point, before these handlers
-                runner.request_stop(StopReason.SIGNAL, f"stopped by {interrupt.received()}")
-            try:
-                return await runner.run()
-            finally:
-                for signum in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(signum)
-                interrupt.rehold()
+    def started(runner: Worker) -> None:
+        served = " ".join(map(str, jobs)) if jobs else "every job with work"
+        click.echo(f"batchrun: worker on {runner.ledger.url}: {served}, concurrency {concurrency}", err=True)
 
-        if not quiet:
-            served = " ".join(map(str, jobs)) if jobs else "every job with work"
-            click.echo(f"batchrun: worker on {ledger.url}: {served}, concurrency {concurrency}", err=True)
-        _stop_point_worker()
-        result = _run_loop(go())
+    result = serve(db, list(jobs) or None, overrides=_overrides(kw), options=options, handle_signals=True,
+                   on_start=None if quiet else started)
     done = " ".join(f"{state}={n}" for state, n in sorted(result.done.items()) if n) or "nothing"
     click.echo(f"jobs {' '.join(map(str, result.jobs)) or '-'}: {done}")
     if result.stop_message:
@@ -999,13 +799,6 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
     if result.exit_code == ExitCode.TEMPFAIL:
         click.echo("batchrun: work is left; start a worker again (or let the others finish it)", err=True)
     sys.exit(result.exit_code)
-
-
-def _stop_point_worker() -> None:
-    """A worker's stop point before its loop: nothing was claimed yet."""
-    name = interrupt.received()
-    if name is not None:
-        raise StoppedError(f"stopped by {name} before the worker started (nothing was claimed); start a worker again")
 
 
 @main.command()
@@ -1023,21 +816,22 @@ def demo(example: str, db: str | None) -> None:
     default SQLite ledger (or --db), shows progress and prints where the output is.
     """
     from batchrun.demo import demo_server, prepare_demo
+    from batchrun.scheduler import RunOptions
+    from batchrun.submission import resume as resume_job
 
     with _open(db) as ledger, demo_server() as server:
         job_id, output = prepare_demo(ledger, server.base_url, example)
         click.echo(str(job_id))
         click.echo(f"batchrun: demo endpoint {server.base_url}, ledger {ledger.url}", err=True)
-        _stop_point(job_id)
-        summary = _work(ledger, job_id, overrides=Overrides(), command="demo", transport="aiohttp", quiet=False)
-        db_hint = "" if db is None else f" --db {db}"
-        if summary.exit_code in (ExitCode.OK, ExitCode.SOME_FAILED):
-            with _stoppable() as should_stop:
-                exported = export_job(ledger, job_id, output, should_stop=should_stop)
-            click.echo(f"output: {exported.path} ({exported.lines} lines)")
-        click.echo(" ".join(f"{k}={v}" for k, v in summary.counts.items() if v))
-        click.echo(f"next: batchrun status {job_id}{db_hint}", err=True)
-    sys.exit(summary.exit_code)
+        result = resume_job(ledger, job_id, output=output, options=RunOptions(command="demo"), handle_signals=True,
+                            on_start=_progress(quiet=False))
+        if result.error is not None:
+            _fail(result.error)
+        if result.export:
+            click.echo(f"output: {result.export.path} ({result.export.lines} lines)")
+        click.echo(" ".join(f"{k}={v}" for k, v in result.counts.items() if v))
+        click.echo(f"next: batchrun status {job_id}" + ("" if db is None else f" --db {db}"), err=True)
+    sys.exit(result.exit_code)
 
 
 @main.group()

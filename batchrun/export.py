@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from batchrun import interrupt
 from batchrun.errors import ExportError, ExportWriteError, StoppedError
 from batchrun.ledger import ItemRow, Ledger, LedgerQueries
 from batchrun.provider_registry import BATCH_FORMATS, kinds_of_format, provider_entry
@@ -276,15 +277,51 @@ def export_job(
     errors: str | os.PathLike[str] | None = None,
     force: bool = False,
     should_stop: Callable[[], bool] | None = None,
+    handle_signals: bool = False,
 ) -> ExportResult:
     """Write the job's items to ``output`` (one line per input record) and, if asked, the errors file.
 
-    ``should_stop`` is asked between lines (a signal): StoppedError, and the file
-    being written is left as it was. ExportWriteError (exit 75) when the folder
+    ``should_stop`` is asked between lines: True stops with StoppedError, and the
+    file being written is left as it was. With ``handle_signals``, SIGINT/SIGTERM
+    do that (:func:`batchrun.interrupt.holding`), and the StoppedError names the
+    command that writes the file. ExportWriteError (exit 75) when the folder
     refuses the file.
     """
+    if not handle_signals:
+        return _export(ledger, job_id, output, fmt=fmt, errors=errors, force=force, should_stop=should_stop)
+    with interrupt.holding() as stop_requested:
+        try:
+            return _export(ledger, job_id, output, fmt=fmt, errors=errors, force=force, should_stop=stop_requested)
+        except StoppedError as exc:
+            again = export_command(job_id, Path(output).absolute(), fmt, Path(errors).absolute() if errors else None)
+            raise StoppedError(f"{interrupt.received() or 'signal'}: {exc.message}; write it with: {again}") from exc
+
+
+def check_format(fmt: str) -> None:
+    """ExportError for a format we cannot write."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}: expected one of {', '.join(FORMATS)}")
+
+
+def export_command(
+    job_id: int, output: str | os.PathLike[str], fmt: str = "results", errors: str | os.PathLike[str] | None = None
+) -> str:
+    """The ``batchrun export`` command that writes this export (what a stopped export says to run)."""
+    return (f"batchrun export {job_id} --output {output}" + (f" --format {fmt}" if fmt != "results" else "")
+            + (f" --errors {errors}" if errors else ""))
+
+
+def _export(
+    ledger: Ledger,
+    job_id: int,
+    output: str | os.PathLike[str],
+    *,
+    fmt: str,
+    errors: str | os.PathLike[str] | None,
+    force: bool,
+    should_stop: Callable[[], bool] | None,
+) -> ExportResult:
+    check_format(fmt)
     spec = ledger.get_job(job_id).spec
     structured = spec.output.schema is not None
     # A batch format carries the provider's own answer bodies, so it fits only its providers' jobs.

@@ -1,29 +1,36 @@
-"""SIGINT and SIGTERM outside the run loop: noted, and acted on at the next clean point.
+"""SIGINT and SIGTERM: noted, and acted on at the next clean point; the run loop's own handlers.
 
 The command (``batchrun/__main__.py``) holds both signals from its first line:
 a first signal is only recorded, and the command stops where it can stop
 cleanly — before the ingest, between insert batches, before the run, between
-export lines — with exit 75 (DESIGN.md: Cron and exit codes). A second signal
-exits 75 at once, in any phase. Inside the run loop asyncio's handlers do the
-same job and count into the same record (``cli._on_signal``).
+export lines (:func:`stop_point`, :func:`holding`) — with exit 75 (DESIGN.md:
+Cron and exit codes). A second signal exits 75 at once, in any phase. Inside
+the run loop :func:`stop_on_signals` installs asyncio's handlers, which ask the
+run (or worker) to stop claiming and drain, and count into the same record.
 
-Commands that only read (``status --watch``, ``list``...) hand the signals
-back (:func:`release`): Ctrl-C there keeps its usual meaning. Importing this
-module installs nothing, so in-process callers (tests, the library) keep their
-own handlers.
+The library does all this only when asked (``handle_signals=True``, which the
+command passes); in-process callers (tests, notebooks) keep their own
+handlers. Commands that only read (``status --watch``, ``list``...) hand the
+signals back (:func:`release`): Ctrl-C there keeps its usual meaning.
+Importing this module installs nothing.
 """
 
 from __future__ import annotations
 
-from batchrun.states import ExitCode
 import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Protocol
 
+from batchrun.errors import StoppedError
+from batchrun.states import ExitCode, StopReason
+
+log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -67,13 +74,6 @@ def reset() -> None:
     _seen.clear()
 
 
-def rehold() -> None:
-    """Hold the signals again after a run loop handed them back (asyncio restores the defaults
-    when its handlers are removed); nothing when the command never held them (in-process use)."""
-    if _held:
-        hold()
-
-
 def release() -> None:
     """Give SIGINT/SIGTERM their usual behaviour back; one that came meanwhile takes effect now."""
     global _held
@@ -111,3 +111,62 @@ def stop_requested() -> bool:
 def received() -> str | None:
     """The name of the first signal received (``SIGTERM``), or None."""
     return signal.Signals(_seen[0]).name if _seen else None
+
+
+def stop_point(where: str) -> None:
+    """A clean point outside the run loop: a signal that came meanwhile stops here.
+
+    Raises StoppedError (exit 75), ``stopped by SIGTERM`` followed by ``where``
+    (what was done and how to carry on).
+    """
+    name = received()
+    if name is not None:
+        raise StoppedError(f"stopped by {name} {where}")
+
+
+class Stoppable(Protocol):
+    """What a signal asks to stop: a job's run or a worker."""
+
+    def request_stop(self, reason: StopReason, message: str | None = None) -> None: ...
+
+
+@contextlib.contextmanager
+def stop_on_signals(target: Stoppable, grace_seconds: Callable[[], float]) -> Iterator[None]:
+    """SIGINT/SIGTERM handlers on the running loop for the block, the previous handlers back after.
+
+    The first signal prints that requests in flight finish (within ``grace_seconds()``)
+    and asks ``target`` to stop claiming; a second exits 75 at once (its leases
+    expire, a resume or another worker takes the items back). A signal that came
+    before the block stops ``target`` at once. Outside the main thread (a loop in a
+    helper thread) no handler can be installed: the block runs without.
+    """
+    import asyncio
+
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("not in the main thread: SIGINT/SIGTERM are not handled for this run")
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    for signum in SIGNALS:
+        loop.add_signal_handler(signum, _on_signal, target, grace_seconds, signum)
+    if stop_requested():  # came after the last stop point, before these handlers
+        target.request_stop(StopReason.SIGNAL, f"stopped by {received()}")
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            loop.remove_signal_handler(signum)  # asyncio puts the default handlers back...
+            if handler is not None:  # ...and what comes after the run needs those it had
+                signal.signal(signum, handler)
+
+
+def _on_signal(target: Stoppable, grace_seconds: Callable[[], float], signum: int) -> None:
+    note(signum)
+    name = signal.Signals(signum).name
+    print(
+        f"batchrun: {name}: finishing requests in flight (up to {grace_seconds():g} s); send again to stop at once",
+        file=sys.stderr,
+        flush=True,
+    )
+    target.request_stop(StopReason.SIGNAL, f"stopped by {name}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -12,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from batchrun import interrupt
 from batchrun import tokens as token_count
 from batchrun.batch import BatchOptions, BatchResult, BatchRunner
 from batchrun.budget import budget_price, unbounded_answers
@@ -304,29 +306,31 @@ async def run_job(
     options: RunOptions | None = None,
     sender: Sender | None = None,
     on_start: Callable[[JobRunner | BatchRunner], None] | None = None,
+    handle_signals: bool = False,
     batch: BatchOptions | None = None,
-    on_event: Callable[[str], None] | None = None,
 ) -> RunSummary:
     """Work a job until it is finished or stopped; the run's end is recorded with its exit code.
 
-    ``on_start`` gets each runner before work begins (to show progress, or to
-    wire signals to its ``request_stop``). A job in batch mode (``[run] mode``)
-    goes through the provider's batch API (:class:`~batchrun.batch.BatchRunner`;
-    ``batch`` says whether to wait for it, ``on_event`` hears what its shards do),
-    and online once its ``[batch] deadline`` has passed. An online job collects
-    what an earlier batch-mode run left at the provider once its own work is done.
+    ``on_start`` gets each runner before work begins (to show progress, or to stop
+    it with its ``request_stop``). With ``handle_signals``, SIGINT/SIGTERM stop the
+    run for its duration (:func:`batchrun.interrupt.stop_on_signals`). A job in
+    batch mode (``[run] mode``) goes through the provider's batch API
+    (:class:`~batchrun.batch.BatchRunner`; ``batch`` says how, e.g. whether to wait
+    for it), and online once its ``[batch] deadline`` has passed. An online job collects what an earlier batch-mode run left at the
+    provider once its own work is done.
     """
     job = ledger.get_job(job_id)
     spec = effective_spec(job, overrides)
     batch = batch or BatchOptions(command=(options or RunOptions()).command)
     if spec.run.mode == "batch":
-        summary = await _run_batch(ledger, job, spec, batch, on_start, on_event)
+        summary = await _run_batch(ledger, job, spec, batch, on_start, handle_signals)
         if not summary.go_online or summary.result.stop_reason is not None:
             return summary
         spec = dataclasses.replace(spec, run=dataclasses.replace(spec.run, mode="online"))
-    summary = await _run_online(ledger, job, spec, options, sender, on_start)
+    summary = await _run_online(ledger, job, spec, options, sender, on_start, handle_signals)
     if summary.result.stop_reason is None and ShardLedger(ledger).shards(job_id, open_only=True):
-        return await _run_batch(ledger, job, spec, dataclasses.replace(batch, create=False), on_start, on_event)
+        collect = dataclasses.replace(batch, create=False)
+        return await _run_batch(ledger, job, spec, collect, on_start, handle_signals)
     return summary
 
 
@@ -337,6 +341,7 @@ async def _run_online(
     options: RunOptions | None,
     sender: Sender | None,
     on_start: Callable[[JobRunner | BatchRunner], None] | None,
+    handle_signals: bool,
 ) -> RunSummary:
     provider = provider_for(spec)
     runner = JobRunner(ledger, job, spec, provider, options, sender=sender)
@@ -347,7 +352,8 @@ async def _run_online(
         )
     if on_start:
         on_start(runner)
-    result = await runner.run()
+    with _signals(runner, handle_signals):
+        result = await runner.run()
     return _ended(ledger, job.id, result.run_id, result.stop_reason, result)
 
 
@@ -357,14 +363,22 @@ async def _run_batch(
     spec: JobSpec,
     options: BatchOptions,
     on_start: Callable[[JobRunner | BatchRunner], None] | None,
-    on_event: Callable[[str], None] | None,
+    handle_signals: bool,
 ) -> RunSummary:
-    runner = BatchRunner(ledger, job, spec, options, on_event=on_event)
+    runner = BatchRunner(ledger, job, spec, options)
     if on_start:
         on_start(runner)
-    result = await runner.run()
+    with _signals(runner, handle_signals):
+        result = await runner.run()
     summary = _ended(ledger, job.id, result.run_id, result.stop_reason, result)
     return dataclasses.replace(summary, at_provider=result.at_provider, go_online=result.go_online)
+
+
+def _signals(runner: JobRunner | BatchRunner, handle: bool) -> contextlib.AbstractContextManager[None]:
+    """SIGINT/SIGTERM stop ``runner`` for the block, when asked to handle them."""
+    if not handle:
+        return contextlib.nullcontext()
+    return interrupt.stop_on_signals(runner, lambda: runner.spec.run.grace_seconds)
 
 
 def _ended(

@@ -81,7 +81,7 @@ class StopReason(StrEnum):
     LEDGER = "ledger"  # the ledger stayed unreachable (a worker)
     ERROR = "error"  # a bug or a broken environment
     IDLE = "idle"  # a worker with --exit-when-idle found nothing left to do
-    STOP = "stop"  # a worker's runner told to stop without a reason of its own
+    STOP = "stop"  # told to stop without a reason of its own (a worker's runner, a library caller)
     AT_PROVIDER = "at_provider"  # batch mode without --wait: items left in provider batches for a later run
 
 

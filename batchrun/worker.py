@@ -24,23 +24,37 @@ A job the worker cannot work (a spec error such as a missing API key, a key the
 provider refuses, an endpoint down for ``outage_seconds``) is left alone for
 ``job_backoff_seconds`` and retried after that; the other jobs go on.
 
-SQLite is refused: its ledger serves one run per job on one machine (use
-``submit``/``resume`` there).
+SQLite is refused (:func:`refuse_sqlite`): its ledger serves one run per job on
+one machine (use ``submit``/``resume`` there).
+
+:func:`serve` is ``batchrun worker`` in one call: the refusal before the ledger is
+opened, the worker, the event loop and, when asked, the signals.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from batchrun import interrupt
 from batchrun.errors import BatchrunError, LedgerWriteError, UsageError
+from batchrun.eventloop import run_sync
 from batchrun.jobs import effective_spec
-from batchrun.ledger import LEDGER_RETRY_SECONDS, AsyncLedger, Ledger, LedgerQueries, is_database_error
+from batchrun.ledger import (
+    LEDGER_RETRY_SECONDS,
+    AsyncLedger,
+    Ledger,
+    LedgerQueries,
+    is_database_error,
+    resolve_db_url,
+)
 from batchrun.providers import provider_for
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides
@@ -94,11 +108,7 @@ class Worker:
         overrides: Overrides | None = None,
         options: WorkerOptions | None = None,
     ) -> None:
-        if ledger.is_sqlite:
-            raise UsageError(
-                f"batchrun worker needs a PostgreSQL ledger (--db postgresql+psycopg://...); {ledger.url} is SQLite, "
-                "which serves one run per job on one machine: use `batchrun submit` / `batchrun resume JOB` there"
-            )
+        refuse_sqlite(ledger.url)
         self.ledger = ledger
         self.job_ids = sorted(set(job_ids)) if job_ids else None
         # The worker's own --concurrency and --max-runtime are worker-wide, not per job.
@@ -141,8 +151,18 @@ class Worker:
 
     # -- the loop -----------------------------------------------------------
 
-    async def run(self) -> WorkerResult:
-        """Work until stopped (or idle with ``exit_when_idle``); raises JobNotFoundError for an unknown JOB."""
+    async def run(self, *, handle_signals: bool = False) -> WorkerResult:
+        """Work until stopped (or idle with ``exit_when_idle``); raises JobNotFoundError for an unknown JOB.
+
+        With ``handle_signals``, SIGINT/SIGTERM stop it for its duration
+        (:func:`batchrun.interrupt.stop_on_signals`): stop claiming, drain within
+        the jobs' grace period; a second signal exits at once.
+        """
+        signals = interrupt.stop_on_signals(self, lambda: self.grace_seconds) if handle_signals else None
+        with signals or contextlib.nullcontext():
+            return await self._run()
+
+    async def _run(self) -> WorkerResult:
         deadline = None
         try:
             for job_id in self.job_ids or ():
@@ -300,3 +320,41 @@ class Worker:
             log.warning("cannot tell whether work is left: %s", exc)
             return ExitCode.TEMPFAIL
         return ExitCode.TEMPFAIL if left else ExitCode.OK
+
+
+def refuse_sqlite(url: str) -> None:
+    """UsageError (exit 2) for a SQLite ledger: it serves one run per job on one machine."""
+    if url.startswith("sqlite"):
+        raise UsageError(
+            "batchrun worker needs a PostgreSQL ledger (--db postgresql+psycopg://... or BATCHRUN_DB); a SQLite "
+            "ledger serves one run per job on one machine: use `batchrun submit` / `batchrun resume JOB` there"
+        )
+
+
+def serve(
+    db: str | os.PathLike[str] | None,
+    job_ids: Sequence[int] | None = None,
+    *,
+    overrides: Overrides | None = None,
+    options: WorkerOptions | None = None,
+    handle_signals: bool = False,
+    on_start: Callable[[Worker], None] | None = None,
+) -> WorkerResult:
+    """Work ``job_ids`` (or every job with work) of the PostgreSQL ledger ``db`` until stopped or idle.
+
+    A SQLite ledger is refused before it is opened (nothing is created). With
+    ``handle_signals``, a SIGINT/SIGTERM before the loop stops here (StoppedError,
+    exit 75, nothing claimed), and during it as :meth:`Worker.run` says.
+    ``on_start`` gets the worker before it starts.
+    """
+    refuse_sqlite(resolve_db_url(db))
+    where = "before the worker started (nothing was claimed); start a worker again"
+    if handle_signals:
+        interrupt.stop_point(where)
+    with Ledger.open(db) as ledger:
+        worker = Worker(ledger, job_ids, overrides=overrides, options=options)
+        if on_start:
+            on_start(worker)
+        if handle_signals:
+            interrupt.stop_point(where)
+        return run_sync(worker.run(handle_signals=handle_signals))

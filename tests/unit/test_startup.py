@@ -37,3 +37,12 @@ def test_importing_the_cli_leaves_the_garbage_collector_alone() -> None:
     # Only the command (batchrun/__main__.py) raises the threshold for its start-up.
     code = "import gc\nbefore = gc.get_threshold()\nimport batchrun.cli\nprint(gc.get_threshold() == before)"
     assert fresh_python(code) == "True"
+
+
+def test_import_batchrun_leaves_the_ledger_and_the_http_stack_out() -> None:
+    """The public names load on first use (PEP 562): ``import batchrun`` is the errors and states only."""
+    heavy = ("sqlalchemy", "httpx", "aiohttp", "rich")
+    code = f"import sys, batchrun\nprint(','.join(m for m in {heavy!r} if m in sys.modules))"
+    assert fresh_python(code) == ""
+    used = f"import sys, batchrun\nbatchrun.submit, batchrun.Ledger\nprint(','.join(m for m in {heavy[:3]!r} if m in sys.modules))"
+    assert fresh_python(used) == "sqlalchemy,httpx,aiohttp"

@@ -1,0 +1,352 @@
+"""Submit and resume: a job from its input to its exported output, in one call each.
+
+- :func:`submit`: find the job for a spec and input content or create it and ingest
+  the input, refuse output files it may not replace, run it (unless ``run=False``),
+  and export it once it is finished;
+- :func:`resume`: carry on a job (an ingest a crash interrupted, then the run), and export it;
+- :func:`submit_async`, :func:`resume_async`: the same from a running event loop; the
+  synchronous ledger phases (ingest, export) run in a thread.
+
+Each returns a :class:`SubmitResult`, whose :meth:`~SubmitResult.to_json` is the
+``--json`` object of ``batchrun submit`` and ``batchrun resume``.
+
+Signals are the caller's unless it asks (``handle_signals=True``, as the command
+does): then a SIGINT/SIGTERM stops the call at its next clean point (before the
+job is stored, between insert batches, before the run, between export lines) with
+exit 75, and during the run stops claiming and drains (batchrun/interrupt.py).
+The async forms never install handlers: the loop is the caller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchrun import interrupt
+from batchrun.batch import BatchOptions, BatchRunner
+from batchrun.errors import BatchrunError, ExportWriteError, StoppedError
+from batchrun.eventloop import run_sync
+from batchrun.export import ExportResult, check_format, check_target, export_command, export_job
+from batchrun.jobs import PreparedJob, RunSummary, finish_interrupted_ingest, prepare_job, run_job
+from batchrun.ledger import Ledger, LedgerQueries
+from batchrun.providers.http import Sender
+from batchrun.scheduler import JobRunner, RunOptions
+from batchrun.spec import JobSpec, Overrides
+from batchrun.states import ExitCode, ItemState, StopReason
+
+PathArg = str | os.PathLike[str]
+# Called when the run starts, with the runner and how many items it has to work; an awaitable
+# it returns (a progress display) runs beside the run and is cancelled when the run ends.
+OnStart = Callable[[JobRunner, int], Awaitable[None] | None]
+OnPrepared = Callable[[PreparedJob], None]
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    """How a submit or resume ended: the job's counts, the exit code, what was written.
+
+    ``error`` is what stopped the call after the job was known (a signal before
+    the run, an export stopped or refused); its message says how to carry on, and
+    ``exit_code`` is its code. The job's results are safe in the ledger either way.
+    """
+
+    job_id: int
+    counts: dict[str, int]
+    cached: int  # items that succeeded with an answer reused from the response cache
+    exit_code: int
+    stop_reason: StopReason | None = None
+    stop_message: str | None = None  # why the run stopped early, when it did
+    export: ExportResult | None = None
+    error: BatchrunError | None = None
+    ran: bool = False  # a run worked the job (False: --no-run, or stopped before the run)
+    prepared: PreparedJob | None = None  # submit: whether the job was created, and its ingest
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` object: the same keys on every path, null where one does not apply.
+
+        ``job_id``, ``total``, ``counts`` (one key per item state), ``cached``,
+        ``exit_code``, ``stop_reason``, ``output`` and ``errors_file`` (the files written).
+        """
+        export = self.export
+        return {
+            "job_id": self.job_id,
+            "total": self.total,
+            "counts": self.counts,
+            "cached": self.cached,
+            "exit_code": int(self.exit_code),
+            "stop_reason": str(self.stop_reason) if self.stop_reason else None,
+            "output": str(export.path) if export else None,
+            "errors_file": str(export.errors_path) if export and export.errors_path else None,
+        }
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where a finished job is exported (nowhere without ``output``)."""
+
+    output: PathArg | None
+    fmt: str
+    errors: PathArg | None
+    force: bool
+
+    def check(self, ledger: Ledger, job_id: int) -> None:
+        """Refuse an unknown format and output files we may not replace, before anything is sent."""
+        if self.output:
+            check_format(self.fmt)
+        for target in (self.output, self.errors):
+            if target:
+                check_target(ledger, job_id, Path(target).absolute(), force=self.force)
+
+
+def submit(
+    ledger: Ledger,
+    spec: JobSpec,
+    input_path: PathArg,
+    *,
+    output: PathArg | None = None,
+    fmt: str = "results",
+    errors: PathArg | None = None,
+    force: bool = False,
+    new: bool = False,
+    strict: bool = False,
+    run: bool = True,
+    overrides: Overrides | None = None,
+    options: RunOptions | None = None,
+    sender: Sender | None = None,
+    batch: BatchOptions | None = None,
+    handle_signals: bool = False,
+    on_prepared: OnPrepared | None = None,
+    on_start: OnStart | None = None,
+) -> SubmitResult:
+    """Submit ``input_path`` under ``spec`` and work it to the end; export to ``output`` when it is finished.
+
+    The same spec and input content find the existing job and carry it on (``new``:
+    always a new job); ``strict`` refuses the whole input if a line is bad.
+    ``overrides`` are the run-time settings that win over the stored spec.
+    ``on_prepared`` gets the job once it is stored, before the run.
+    """
+    target = _Target(output, fmt, errors, force)
+    if handle_signals:
+        interrupt.stop_point("before the job was stored (nothing was sent); run the same command again to carry on")
+    with _holding(handle_signals) as should_stop:
+        prepared = prepare_job(ledger, spec, input_path, new=new, strict=strict, should_stop=should_stop)
+    target.check(ledger, prepared.job_id)
+    if on_prepared:
+        on_prepared(prepared)
+    if not run:
+        return _as_stored(ledger, prepared.job_id, prepared)
+    return _run_and_export(
+        ledger, prepared.job_id, target, prepared, handle_signals,
+        overrides=overrides, options=options or RunOptions(command="submit"), sender=sender, batch=batch,
+        on_start=on_start,
+    )
+
+
+def resume(
+    ledger: Ledger,
+    job_id: int,
+    *,
+    output: PathArg | None = None,
+    fmt: str = "results",
+    errors: PathArg | None = None,
+    force: bool = False,
+    overrides: Overrides | None = None,
+    options: RunOptions | None = None,
+    sender: Sender | None = None,
+    batch: BatchOptions | None = None,
+    handle_signals: bool = False,
+    on_start: OnStart | None = None,
+) -> SubmitResult:
+    """Carry on job ``job_id``: finish an ingest a crash interrupted, work what is left, export to ``output``.
+
+    Finished items are never sent again; pending ones and those a dead run left
+    running are. JobNotFoundError for an unknown job.
+    """
+    target = _Target(output, fmt, errors, force)
+    if handle_signals:
+        interrupt.stop_point(f"before the run started; carry on with: batchrun resume {job_id}")
+    ledger.get_job(job_id)
+    target.check(ledger, job_id)
+    with _holding(handle_signals) as should_stop:
+        finish_interrupted_ingest(ledger, job_id, should_stop)
+    return _run_and_export(
+        ledger, job_id, target, None, handle_signals,
+        overrides=overrides, options=options or RunOptions(command="resume"), sender=sender, batch=batch,
+        on_start=on_start,
+    )
+
+
+async def submit_async(
+    ledger: Ledger,
+    spec: JobSpec,
+    input_path: PathArg,
+    *,
+    output: PathArg | None = None,
+    fmt: str = "results",
+    errors: PathArg | None = None,
+    force: bool = False,
+    new: bool = False,
+    strict: bool = False,
+    run: bool = True,
+    overrides: Overrides | None = None,
+    options: RunOptions | None = None,
+    sender: Sender | None = None,
+    batch: BatchOptions | None = None,
+    on_prepared: OnPrepared | None = None,
+    on_start: OnStart | None = None,
+) -> SubmitResult:
+    """:func:`submit` on the running loop: the ingest and the export run in a thread; no signal handlers."""
+    target = _Target(output, fmt, errors, force)
+    prepared = await asyncio.to_thread(prepare_job, ledger, spec, input_path, new=new, strict=strict)
+    await asyncio.to_thread(target.check, ledger, prepared.job_id)
+    if on_prepared:
+        on_prepared(prepared)
+    if not run:
+        return await asyncio.to_thread(_as_stored, ledger, prepared.job_id, prepared)
+    summary = await _work(ledger, prepared.job_id, overrides, options or RunOptions(command="submit"), sender,
+                          batch, on_start, handle_signals=False)
+    return await asyncio.to_thread(_finish, ledger, summary, target, prepared, None)
+
+
+async def resume_async(
+    ledger: Ledger,
+    job_id: int,
+    *,
+    output: PathArg | None = None,
+    fmt: str = "results",
+    errors: PathArg | None = None,
+    force: bool = False,
+    overrides: Overrides | None = None,
+    options: RunOptions | None = None,
+    sender: Sender | None = None,
+    batch: BatchOptions | None = None,
+    on_start: OnStart | None = None,
+) -> SubmitResult:
+    """:func:`resume` on the running loop: the ingest and the export run in a thread; no signal handlers."""
+    target = _Target(output, fmt, errors, force)
+    await asyncio.to_thread(ledger.get_job, job_id)
+    await asyncio.to_thread(target.check, ledger, job_id)
+    await asyncio.to_thread(finish_interrupted_ingest, ledger, job_id)
+    summary = await _work(ledger, job_id, overrides, options or RunOptions(command="resume"), sender,
+                          batch, on_start, handle_signals=False)
+    return await asyncio.to_thread(_finish, ledger, summary, target, None, None)
+
+
+def _holding(handle_signals: bool) -> contextlib.AbstractContextManager[Callable[[], bool] | None]:
+    """The ``should_stop`` of a synchronous phase: a signal, when the caller asked for them."""
+    return interrupt.holding() if handle_signals else contextlib.nullcontext()
+
+
+def _as_stored(ledger: Ledger, job_id: int, prepared: PreparedJob | None) -> SubmitResult:
+    """The job as it is in the ledger, not run (``--no-run``)."""
+    queries = LedgerQueries(ledger.engine)
+    return SubmitResult(job_id, queries.counts(job_id), queries.cached_count(job_id), ExitCode.OK, prepared=prepared)
+
+
+def _run_and_export(
+    ledger: Ledger,
+    job_id: int,
+    target: _Target,
+    prepared: PreparedJob | None,
+    handle_signals: bool,
+    *,
+    overrides: Overrides | None,
+    options: RunOptions,
+    sender: Sender | None,
+    batch: BatchOptions | None,
+    on_start: OnStart | None,
+) -> SubmitResult:
+    name = interrupt.received() if handle_signals else None
+    if name is not None:  # the last stop point before the run
+        stored = _as_stored(ledger, job_id, prepared)
+        return dataclasses.replace(
+            stored, exit_code=ExitCode.TEMPFAIL, stop_reason=StopReason.SIGNAL,
+            error=StoppedError(f"stopped by {name} before the run started; carry on with: batchrun resume {job_id}"),
+        )
+    summary = run_sync(_work(ledger, job_id, overrides, options, sender, batch, on_start,
+                             handle_signals=handle_signals))
+    with _holding(handle_signals) as should_stop:
+        return _finish(ledger, summary, target, prepared, should_stop)
+
+
+async def _work(
+    ledger: Ledger,
+    job_id: int,
+    overrides: Overrides | None,
+    options: RunOptions,
+    sender: Sender | None,
+    batch: BatchOptions | None,
+    on_start: OnStart | None,
+    *,
+    handle_signals: bool,
+) -> RunSummary:
+    """The run, with what ``on_start`` returned running beside it (online runs: a batch-mode
+    run reports through ``batch.on_event``)."""
+    todo = 0
+    if on_start is not None:
+        counts = await asyncio.to_thread(LedgerQueries(ledger.engine).counts, job_id)
+        todo = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
+    beside: asyncio.Future[None] | None = None
+
+    def started(runner: JobRunner | BatchRunner) -> None:
+        nonlocal beside
+        if not isinstance(runner, JobRunner) or beside is not None:
+            return
+        shown = on_start(runner, todo) if on_start is not None else None
+        if shown is not None:
+            beside = asyncio.ensure_future(shown)
+
+    try:
+        return await run_job(ledger, job_id, overrides=overrides, options=options, sender=sender, on_start=started,
+                             handle_signals=handle_signals, batch=batch)
+    finally:
+        if beside is not None:
+            beside.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beside
+
+
+def _finish(
+    ledger: Ledger,
+    summary: RunSummary,
+    target: _Target,
+    prepared: PreparedJob | None,
+    should_stop: Callable[[], bool] | None,
+) -> SubmitResult:
+    """Export a finished job (succeeded, or some items failed) and say how the call ended."""
+    exported = None
+    error: BatchrunError | None = None  # the job is finished, its output file is not
+    job_id, output = summary.job_id, target.output
+    if output and summary.exit_code in (ExitCode.OK, ExitCode.SOME_FAILED):
+        try:
+            exported = export_job(ledger, job_id, output, fmt=target.fmt, errors=target.errors, force=target.force,
+                                  should_stop=should_stop)
+        except StoppedError as exc:
+            again = export_command(job_id, output, target.fmt, target.errors)
+            error = StoppedError(f"{interrupt.received() or 'signal'}: {exc.message}; job {job_id} is finished; "
+                                 f"write the output with: {again}")
+        except ExportWriteError as exc:
+            error = exc
+    stop_reason = summary.result.stop_reason or (StopReason.SIGNAL if isinstance(error, StoppedError) else None)
+    return SubmitResult(
+        job_id,
+        summary.counts,
+        LedgerQueries(ledger.engine).cached_count(job_id),
+        error.exit_code if error is not None else summary.exit_code,
+        stop_reason=stop_reason,
+        stop_message=summary.result.stop_message,
+        export=exported,
+        error=error,
+        ran=True,
+        prepared=prepared,
+    )
