@@ -46,7 +46,7 @@ import httpx
 import orjson
 
 from batchrun.budget import ROUNDING_MARGIN, usd, worst_case_rate
-from batchrun.cache import cache_scope, request_key
+from batchrun.cache import cache_scope, request_key, reusable
 from batchrun.errors import AuthError, LockLostError, OutputInvalidError, ProviderError, RetryableError
 from batchrun.ledger import AttemptRecord, JobRecord, Ledger, LedgerQueries, Outcome
 from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger
@@ -91,6 +91,7 @@ class BatchStats:
     shards_collected: int = 0
     done: dict[str, int] = field(default_factory=dict)  # items settled by results lines, by state
     back: int = 0  # items a shard gave back to pending (expired, cancelled, missing, refused)
+    reused: int = 0  # items finished with an answer from the response cache (no request)
 
 
 @dataclass(frozen=True)
@@ -295,8 +296,11 @@ class BatchRunner:
             out.write(fmt.head)
             while over_budget is None:
                 items = self.shards.pending_items(self.job.id, after_id=after)
+                reused = self._reuse_answers(items) if self.spec.run.cache else set()
                 for item in items:
                     after = item.id
+                    if item.id in reused:
+                        continue
                     try:
                         request = self._prepare(item)
                     except ValueError as exc:
@@ -354,6 +358,36 @@ class BatchRunner:
                 f"{usd(over_budget)} at the batch price; the rest stays pending",
             )
         return plan, failures
+
+    def _reuse_answers(self, items: list[ShardItem]) -> set[int]:
+        """Finish the items whose request another job already got an answer to (the response cache):
+        succeeded, nothing sent, no cost. The ids of those finished. On the ledger's thread."""
+        keys: dict[str, list[ShardItem]] = {}
+        for item in items:
+            if item.followups:
+                continue  # a re-ask asks something else
+            key = self._key(item)
+            if key is not None:
+                keys.setdefault(key, []).append(item)
+        found = self.ledger.find_cached(keys) if keys else {}
+        outcomes: list[Outcome] = []
+        for key, answer in found.items():
+            ok, parsed = reusable(answer, self.validator, self.provider)
+            if not ok:
+                continue
+            for item in keys[key]:
+                outcomes.append(Outcome(
+                    item_id=item.id, state=ItemState.SUCCEEDED, attempts=item.attempts,
+                    status_code=answer.status_code, response=answer.response, output=answer.output, parsed=parsed,
+                    request_id=answer.request_id, input_tokens=answer.input_tokens,
+                    output_tokens=answer.output_tokens, finished_at=time.time(), cost_usd=0.0, request_hash=key,
+                    cached_from=answer.item_id,
+                ))
+        if outcomes:
+            self.ledger.record(self.run_id, outcomes, [])  # a success lands on an item with no answer yet
+            self.stats.done[ItemState.SUCCEEDED] = self.stats.done.get(ItemState.SUCCEEDED, 0) + len(outcomes)
+            self.stats.reused += len(outcomes)
+        return {o.item_id for o in outcomes}
 
     def _prepare(self, item: ShardItem) -> PreparedRequest:
         followups = [(str(a), str(n)) for a, n in orjson.loads(item.followups)] if item.followups else []

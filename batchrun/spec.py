@@ -543,7 +543,7 @@ def _parse_batch(table: Mapping[str, Any], where: str) -> BatchSpec:
         default = getattr(defaults, f.name)
         raw = table.get(f.name, default)
         if f.name in _DURATIONS and isinstance(raw, str):
-            seconds = parse_reset(raw.strip())
+            seconds = parse_reset(raw.strip()) if raw.strip() else 0.0
             if seconds is None:
                 raise SpecError(f"{where}: [batch] {f.name} = {raw!r}: expected seconds or a duration such as 90s, 30m, 6h")
             values[f.name] = float(seconds)
