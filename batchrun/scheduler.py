@@ -65,7 +65,7 @@ from batchrun.errors import (
     RetryableError,
 )
 from batchrun.health import LATENCIES_KEPT, Health
-from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Ledger, LedgerQueries, Outcome
+from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Outcome, RunLedger
 from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger
 from batchrun.providers import Provider, Reply
 from batchrun.providers.base import PreparedRequest
@@ -160,7 +160,7 @@ class JobRunner:
 
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: RunLedger,
         job: JobRecord,
         spec: JobSpec,
         provider: Provider,
@@ -257,7 +257,7 @@ class JobRunner:
         """The run's budget: the job's shared one on PostgreSQL (several workers), else this process's own."""
         if per_minute <= 0:
             return None
-        if self.ledger.is_sqlite:
+        if not self.ledger.shares_rate_budgets:
             return TokenBucket(per_minute)
 
         async def reserve(amount: float) -> float:
@@ -290,10 +290,8 @@ class JobRunner:
             if orphans:
                 log.info("put %d items left running by an earlier run back to pending", orphans)
             if admission.spend is not None:
-                admission.spend.spent = await self._ledger(LedgerQueries(self.ledger.engine).spent_usd, self.job.id)
-            for seconds in await self._ledger(
-                LedgerQueries(self.ledger.engine).recent_latencies, self.job.id, LATENCIES_KEPT
-            ):
+                admission.spend.spent = await self._ledger(self.ledger.spent_usd, self.job.id)
+            for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, LATENCIES_KEPT):
                 self.health.note_latency(seconds)  # the pace waits for this run's own answers
             owns_sender = self._sender is None
             if self._sender is None:
