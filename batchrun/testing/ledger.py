@@ -94,7 +94,7 @@ class _Bucket:
 
 class InMemoryLedger:
     """A ledger in this process's memory (see the module docstring). Add jobs with :meth:`add_job`;
-    read them back with :meth:`items` and :meth:`attempts`."""
+    read them back with :meth:`items` (as export reads them), :meth:`rows` and :meth:`attempts`."""
 
     reconnects = False  # nothing to lose a connection to
 
@@ -140,6 +140,12 @@ class InMemoryLedger:
         """Every item of the job in input order, as export reads it."""
         with self._lock:
             return [_as(ItemRow, item, {"item_id": "id"}) for item in self._job(job_id).items]
+
+    def rows(self, job_id: int) -> list[dict[str, Any]]:
+        """Every column of the job's items in input order (copies): what export does not show too
+        (``followups``, the lease)."""
+        with self._lock:
+            return [dict(item) for item in self._job(job_id).items]
 
     def attempts(self, job_id: int) -> list[AttemptRecord]:
         """The job's attempt rows, in the order they were recorded."""
