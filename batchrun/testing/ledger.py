@@ -81,7 +81,6 @@ class _Run:
     job_id: int
     command: str
     ended_at: float | None = None
-    exit_code: int | None = None
 
 
 @dataclass
@@ -188,7 +187,7 @@ class InMemoryLedger:
         with self._lock:
             run = self._runs.get(run_id)
             if run is not None:
-                run.ended_at, run.exit_code = self.clock(), exit_code
+                run.ended_at = self.clock()
             job = self._jobs.get(job_id)
             if job is not None and job.lock is not None and job.lock.run_id == run_id:
                 job.lock = None
