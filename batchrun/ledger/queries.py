@@ -5,7 +5,8 @@ by class and by status, throughput, two jobs' shared outputs, the item rows expo
 streams, and what a run reads at its start (spend so far, recent latencies). The
 write side (jobs, ingest, the lock and leases, claim and record, the response
 cache, user actions) is :class:`~batchrun.ledger.store.Ledger`; both work over
-the same engine, and neither calls the other.
+the same engine, and the Ledger passes on the three a run asks (so a run sees one
+:class:`~batchrun.ledger.protocol.RunLedger`); these queries never call the Ledger.
 """
 
 from __future__ import annotations
