@@ -29,7 +29,8 @@ _OPENAI_SHAPE, _ANTHROPIC_SHAPE = ChatApi(), MessagesApi()
 
 
 class BatchService:
-    """Files and batches of both APIs; opened when the server first starts."""
+    """Files and batches of both APIs: opened when the server starts with a state directory,
+    else at the first call to a batch route (a server used online only pays nothing)."""
 
     def __init__(self, host: Host, state_dir: str | os.PathLike[str] | None,
                  base_url: Callable[[], str]) -> None:
@@ -41,13 +42,17 @@ class BatchService:
         self._anthropic: AnthropicBatches | None = None
         self._rng_seed = host.batch_faults.seed
         self._rng = random.Random(self._rng_seed)
+        self._task: asyncio.Task[None] | None = None
         self._calls = 0
         self.calls: collections.Counter[str] = collections.Counter()  # "METHOD /route" -> count
 
     def open(self) -> list[RequestRecord]:
-        """Open the state (once); returns the records of the lines answered before (state dir)."""
-        if self._worker is not None:
+        """Open a state directory (once); returns the records of the lines answered before."""
+        if self._worker is not None or self._state_dir is None:
             return []
+        return self._open()
+
+    def _open(self) -> list[RequestRecord]:
         root = self._state_dir
         if root is None:
             root = Path(tempfile.mkdtemp(prefix="fakeprovider-batches-"))
@@ -61,10 +66,12 @@ class BatchService:
         self._worker = worker
         return worker.load()
 
-    async def run(self) -> None:
-        """Work the batches until cancelled (the server's stop)."""
-        assert self._worker is not None
-        await self._worker.run()
+    def attach(self) -> None:
+        """At each start of the server's event loop: work the open batches (the server's stop
+        cancels the task with every other)."""
+        self._task = None
+        if self._worker is not None:
+            self._task = asyncio.create_task(self._worker.run())
 
     def _draw(self) -> float:
         seed = self._host.batch_faults.seed
@@ -76,6 +83,10 @@ class BatchService:
     async def serve(self, req: StreamedRequest, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> bool:
         """Answer one request to a batch route; returns whether the connection stays open."""
+        if self._worker is None:
+            self._open()
+        if self._task is None:
+            self.attach()
         assert self._worker is not None and self._openai is not None and self._anthropic is not None
         call = Call(req, reader, self._worker.store)
         self._calls += 1

@@ -9,6 +9,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -84,7 +85,10 @@ class FakeProviderServer:
         self._log_file: IO[bytes] | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._closing = False
-        self._batches = BatchService(self, batch_state_dir, lambda: self.anthropic_base_url)
+        # through a proxy: a cycle server <-> batches would keep every stopped server (and its
+        # state) alive until a full garbage collection, which then stalls whatever runs next
+        me = weakref.proxy(self)
+        self._batches = BatchService(me, batch_state_dir, lambda: me.anthropic_base_url)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -177,10 +181,9 @@ class FakeProviderServer:
             return
         self.port = server.sockets[0].getsockname()[1]
         self._t0 = time.monotonic()
-        batches = asyncio.create_task(self._batches.run())  # cancelled with the rest below
+        self._batches.attach()
         ready.set()
         await stop_event.wait()
-        del batches
 
         self._closing = True
         server.close()

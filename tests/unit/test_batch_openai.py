@@ -45,9 +45,13 @@ def test_lifecycle_statuses_timestamps_counts_usage_and_answers() -> None:
         assert created["object"] == "batch" and created["completion_window"] == "24h"
         assert created["id"].startswith("batch_") and created["metadata"] == {"job": "j1", "shard": "3"}
         assert created["expires_at"] == created["created_at"] + 86_400
-        seen = []
-        batch = wait_until(lambda: client.get(f"/batches/{created['id']}").json(),
-                           lambda b: seen.append(b["status"]) or b["status"] == "completed")
+        seen: list[str] = []
+
+        def done(b: dict[str, Any]) -> bool:
+            seen.append(b["status"])
+            return bool(b["status"] == "completed")
+
+        batch = wait_until(lambda: client.get(f"/batches/{created['id']}").json(), done)
         assert batch["status"] == "completed"
         assert [s for i, s in enumerate(seen) if i == 0 or seen[i - 1] != s] == [
             "validating", "in_progress", "finalizing", "completed"]
