@@ -216,7 +216,10 @@ class BatchRunner:
                     pass
             shards = await self._ledger(self.shards.shards, self.job.id, open_only=True)
             if not shards:
-                return  # nothing at the provider: what is pending (if anything) cannot go in a batch now
+                # Nothing at the provider: what is pending (if anything) cannot go in a batch now.
+                if self.spec.batch.reask == "online" and await self._ledger(self._has_pending):
+                    self._go_online = True  # the re-asks ([batch] reask = "online")
+                return
             if not self.options.wait and all(s.state == ShardState.LIVE for s in shards):
                 self.request_stop(
                     StopReason.AT_PROVIDER,
@@ -299,8 +302,8 @@ class BatchRunner:
                 reused = self._reuse_answers(items) if self.spec.run.cache else set()
                 for item in items:
                     after = item.id
-                    if item.id in reused:
-                        continue
+                    if item.id in reused or (item.followups and self.spec.batch.reask == "online"):
+                        continue  # answered from the cache; a re-ask that goes online
                     try:
                         request = self._prepare(item)
                     except ValueError as exc:
@@ -388,6 +391,9 @@ class BatchRunner:
             self.stats.done[ItemState.SUCCEEDED] = self.stats.done.get(ItemState.SUCCEEDED, 0) + len(outcomes)
             self.stats.reused += len(outcomes)
         return {o.item_id for o in outcomes}
+
+    def _has_pending(self) -> bool:
+        return bool(self.shards.pending_items(self.job.id, limit=1))
 
     def _prepare(self, item: ShardItem) -> PreparedRequest:
         followups = [(str(a), str(n)) for a, n in orjson.loads(item.followups)] if item.followups else []

@@ -181,9 +181,11 @@ class BatchSpec:
     deadline: float = 0.0  # seconds after the job's first shard: cancel what is left at the provider, go online
     poll_interval: float = 30.0  # first wait between two polls of a shard; it grows to poll_max
     poll_max: float = 300.0
+    reask: str = "batch"  # an answer that fails the schema is asked again in the next shard, or "online"
 
 
 BATCH_FIELDS = frozenset(f.name for f in dataclasses.fields(BatchSpec))
+REASK_ROUTES = ("batch", "online")  # [batch] reask
 
 
 @dataclass(frozen=True)
@@ -558,6 +560,8 @@ def _parse_batch(table: Mapping[str, Any], where: str) -> BatchSpec:
     for key in ("poll_interval", "poll_max"):
         if not getattr(batch, key) > 0:
             raise SpecError(f"{where}: [batch] {key} = {getattr(batch, key)}: expected a number of seconds > 0")
+    if batch.reask not in REASK_ROUTES:
+        raise SpecError(f"{where}: [batch] reask = {batch.reask!r}: expected one of {', '.join(REASK_ROUTES)}")
     return batch
 
 

@@ -217,3 +217,16 @@ def test_switching_a_job_to_online_leaves_its_live_batches_to_finish(
     assert summary.exit_code == ExitCode.OK
     billed_once(server, 10)
     assert collections.Counter(s.state for s in ShardLedger(ledger).shards(job_id)) == {ShardState.COLLECTED: 1}
+
+
+def test_reasks_can_go_online(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
+    server.faults = Faults(p_schema_violation=0.4, seed=8)
+    spec = spec_for(server, output={"schema": SCHEMA, "validation_retries": 2}, batch={"reask": "online"})
+    job_id = submit(ledger, spec, write_jsonl(records(30)))
+    summary = run(ledger, job_id)
+    assert summary.counts[ItemState.SUCCEEDED] + summary.counts[ItemState.INVALID_OUTPUT] == 30
+    assert len(ShardLedger(ledger).shards(job_id)) == 1  # one batch; every re-ask went online
+    online = [r for r in server.log if r.api == "chat"]
+    assert online and all(r.key is not None for r in online)
+    rows = list(LedgerQueries(ledger.engine).iter_items(job_id))
+    assert any(r.attempts > 1 and r.state == ItemState.SUCCEEDED for r in rows)
