@@ -32,6 +32,7 @@ reports that the rest should go online (:attr:`BatchResult.go_online`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -448,7 +449,7 @@ class BatchRunner:
             except ProviderError as exc:
                 self._answered.add(shard.id)
                 self._missing_since.pop(shard.id, None)
-                self._event(f"shard {shard.id}: create of {shard.requests} requests failed ({exc.message}); "
+                self._event(f"shard {shard.id}: create of {_n(shard.requests, 'request')} failed ({exc.message}); "
                             "it may exist at the provider: reconciling before anything is sent again")
                 return
             except Exception:
@@ -466,7 +467,7 @@ class BatchRunner:
         self._missing_since.pop(shard.id, None)
         self._next_poll[shard.id] = time.monotonic() + self.spec.batch.poll_interval
         self._poll_every[shard.id] = self.spec.batch.poll_interval
-        self._event(f"shard {shard.id}: {shard.requests} requests {how} as {batch.id}")
+        self._event(f"shard {shard.id}: {_n(shard.requests, 'request')} {how} as {batch.id}")
         if batch.ended:
             await self._ended(shard, batch)
 
@@ -523,7 +524,7 @@ class BatchRunner:
         back = await self._ledger(self.shards.refuse, shard, self.run_id, reason, failed)
         self.stats.back += back
         self._refusals += 1
-        self._event(f"shard {shard.id}: refused by the provider: {reason}; {back} items back to pending")
+        self._event(f"shard {shard.id}: refused by the provider: {reason}; {_n(back, 'item')} back to pending")
         if self._refusals >= MAX_REFUSALS:
             self.request_stop(StopReason.ERROR, f"the provider refused {self._refusals} batches in a row: {reason}")
 
@@ -592,13 +593,14 @@ class BatchRunner:
             batch = await self.api.get(shard.batch_id)
         chunk: list[ResultLine] = []
         unknown = 0
+        settled: collections.Counter[str] = collections.Counter()
         async for line in self.api.results(batch, shard):
             chunk.append(line)
             if len(chunk) >= RESULTS_CHUNK:
-                unknown += await self._write_back(shard, chunk)
+                unknown += await self._write_back(shard, chunk, settled)
                 chunk = []
         if chunk:
-            unknown += await self._write_back(shard, chunk)
+            unknown += await self._write_back(shard, chunk, settled)
         if unknown:
             log.warning("shard %d: %d results lines name no item of it (ignored)", shard.id, unknown)
         left = ItemState.CANCELLED if shard.cancel_reason == "user" else ItemState.PENDING
@@ -606,15 +608,18 @@ class BatchRunner:
         self.stats.back += back
         self.stats.shards_collected += 1
         self._next_poll.pop(shard.id, None)
-        self._event(f"shard {shard.id}: collected ({batch.status}; {back} items not answered went back to {left})")
+        settled[left] += back
+        told = ", ".join(f"{n} {'again' if state == ItemState.PENDING else state}" for state, n in settled.items() if n)
+        self._event(f"shard {shard.id}: collected ({batch.status}): {told or 'nothing in it'}")
         if not self.spec.batch.keep_files:
             try:
                 await self.api.discard(await self._ledger(self.shards.get, shard.id))
             except ProviderError as exc:
                 log.warning("shard %d: its files could not be deleted at the provider: %s", shard.id, exc.message)
 
-    async def _write_back(self, shard: ShardRecord, lines: list[ResultLine]) -> int:
-        """Judge and record one chunk of results lines; how many named no item of the shard."""
+    async def _write_back(self, shard: ShardRecord, lines: list[ResultLine], settled: collections.Counter[str]) -> int:
+        """Judge and record one chunk of results lines, counting the items' new states into ``settled``;
+        how many lines named no item of the shard."""
         items = await self._ledger(self.shards.items_by_line_id, shard, [line.custom_id for line in lines])
         outcomes: list[Outcome] = []
         attempts: list[AttemptRecord] = []
@@ -631,6 +636,7 @@ class BatchRunner:
             await self._ledger(self.shards.record_results, shard, self.run_id, outcomes, attempts)
             for outcome in outcomes:
                 self.stats.done[outcome.state] = self.stats.done.get(outcome.state, 0) + 1
+                settled[outcome.state] += 1
         return unknown
 
     def _judge(self, shard: ShardRecord, item: ShardItem, line: ResultLine) -> tuple[Outcome, AttemptRecord]:
@@ -775,6 +781,10 @@ class BatchRunner:
             await asyncio.wait_for(self._stop.wait(), seconds)
         except TimeoutError:
             pass
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _counts_text(batch: RemoteBatch) -> str:

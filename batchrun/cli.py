@@ -804,9 +804,11 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
 @main.command()
 @click.option("--job", "example", type=click.Choice(["summarize", "triage"]), default="summarize", show_default=True,
               help="Which bundled example: review summaries, or ticket triage with a JSON Schema.")
+@click.option("--mode", type=click.Choice(MODES), default="online", show_default=True,
+              help="batch: through the fake server's batch API (the turnaround scaled to seconds).")
 @db_option
 @handle_errors
-def demo(example: str, db: str | None) -> None:
+def demo(example: str, mode: str, db: str | None) -> None:
     """Run the bundled example job against a local fake endpoint (nothing leaves this machine).
 
     Starts an OpenAI-compatible server on 127.0.0.1 with some latency and
@@ -814,17 +816,19 @@ def demo(example: str, db: str | None) -> None:
     prose-wrapped, truncated and schema-violating answers), runs
     jobs/summarize.toml (or jobs/triage.toml) over its example input with the
     default SQLite ledger (or --db), shows progress and prints where the output is.
+    With --mode batch the job goes through the fake server's batch API instead
+    (a batch ends in seconds; a 5xx on create after creating, busy polls).
     """
     from batchrun.demo import demo_server, prepare_demo
     from batchrun.scheduler import RunOptions
     from batchrun.submission import resume as resume_job
 
     with _open(db) as ledger, demo_server() as server:
-        job_id, output = prepare_demo(ledger, server.base_url, example)
+        job_id, output = prepare_demo(ledger, server.base_url, example, mode)
         click.echo(str(job_id))
         click.echo(f"batchrun: demo endpoint {server.base_url}, ledger {ledger.url}", err=True)
         result = resume_job(ledger, job_id, output=output, options=RunOptions(command="demo"), handle_signals=True,
-                            on_start=_progress(quiet=False))
+                            batch=_batch_options("demo", True, False), on_start=_progress(quiet=False))
         if result.error is not None:
             _fail(result.error)
         if result.export:
