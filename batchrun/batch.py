@@ -38,7 +38,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,8 +141,10 @@ class BatchRunner:
         self._answered: set[int] = set()  # shards whose create call this run made and saw end
         self._refusals = 0
         self._token_cap: int | None = None  # learnt from token_limit_exceeded: enqueued tokens that fit
+        self._size_cap: int | None = None  # learnt from a batch refused as a whole: requests that may fit
         self._go_online = False
         self._cancel_sent: set[int] = set()  # shards this run asked the provider to cancel
+        self._uploaded: set[int] = set()  # shards whose file this run sent (or tried to)
 
     # -- control ------------------------------------------------------------
 
@@ -231,28 +233,37 @@ class BatchRunner:
             await self._sleep(self._until_next(shards))
 
     async def _advance(self, shard: ShardRecord) -> None:
-        """One step of a shard, by its state."""
+        """One step of a shard, by its state (once it is due: a shard backs off after a failed step)."""
+        due = time.monotonic() >= self._next_poll.get(shard.id, 0.0)
+        if shard.cancel_reason == "user" and shard.state == ShardState.PREPARING:
+            back = await self._ledger(self.shards.close, shard, self.run_id, left=ItemState.CANCELLED)
+            self._event(f"shard {shard.id}: cancelled before it reached the provider ({_n(back, 'item')} cancelled)")
+        elif shard.state == ShardState.LIVE and shard.cancel_reason and shard.id not in self._cancel_sent \
+                and shard.provider_status not in CANCELLING:
+            await self._cancel_live([shard], shard.cancel_reason)
+        if not due:
+            return
+        if shard.state == ShardState.PREPARING:
+            await self._guarded(shard, self._submit(shard))
+        elif shard.state == ShardState.CREATING:
+            await self._guarded(shard, self._reconcile(shard))
+        elif shard.state == ShardState.LIVE:
+            await self._guarded(shard, self._poll(shard))
+        elif shard.state == ShardState.ENDED:
+            await self._guarded(shard, self._collect(shard))
+
+    async def _guarded(self, shard: ShardRecord, step: Coroutine[Any, Any, None]) -> None:
+        """A shard's step, its provider errors judged: a transient one is tried again later, one that
+        waiting cannot mend (a batch gone, a bad request) stops the run; a refused key or a lost lock
+        is raised."""
         try:
-            if shard.cancel_reason == "user" and shard.state == ShardState.PREPARING:
-                back = await self._ledger(self.shards.close, shard, self.run_id, left=ItemState.CANCELLED)
-                self._event(f"shard {shard.id}: cancelled before it reached the provider ({back} items cancelled)")
-            elif shard.state == ShardState.PREPARING:
-                await self._submit(shard)
-            elif shard.state == ShardState.CREATING:
-                await self._reconcile(shard)
-            elif shard.state == ShardState.LIVE:
-                if shard.cancel_reason and shard.id not in self._cancel_sent and shard.provider_status not in CANCELLING:
-                    await self._cancel_live([shard], shard.cancel_reason)
-                if time.monotonic() >= self._next_poll.get(shard.id, 0.0):
-                    await self._poll(shard)
-            elif shard.state == ShardState.ENDED:
-                await self._collect(shard)
+            await step
         except (AuthError, LockLostError):
             raise
-        except RetryableError as exc:  # the provider is having a bad moment: try this shard again later
+        except RetryableError as exc:
             log.warning("shard %d (%s): %s; trying again later", shard.id, shard.state, exc.message)
             self._back_off(shard)
-        except ProviderError as exc:  # a refusal that waiting cannot mend (a batch gone, a bad request)
+        except ProviderError as exc:
             self.request_stop(StopReason.ERROR, f"shard {shard.id} ({shard.batch_id or shard.state}): {exc.message}")
 
     # -- planning and submitting ---------------------------------------------
@@ -271,7 +282,7 @@ class BatchRunner:
             # The file was written as the items were chosen, each line under its own custom_id;
             # a shard that must name its lines otherwise (or took fewer items) is written again.
             built = path if shard.own_ids and shard.requests == len(plan.item_ids) else None
-            await self._submit(shard, built)
+            await self._guarded(shard, self._submit(shard, built))
         return True
 
     def _plan(
@@ -280,7 +291,7 @@ class BatchRunner:
         """The next shard's items, its request file written to ``path`` as they are chosen (on the
         ledger's thread: it reads items and builds each request); and the items no batch can take."""
         api, batch = self.api, self.spec.batch
-        max_requests = min(api.max_requests, batch.max_requests or api.max_requests)
+        max_requests = min(api.max_requests, batch.max_requests or api.max_requests, self._size_cap or api.max_requests)
         fmt = api.file_format
         max_bytes = min(api.max_bytes, batch.max_bytes or api.max_bytes) - len(fmt.head) - len(fmt.tail)
         queued = sum(s.prompt_tokens for s in open_shards)
@@ -430,7 +441,10 @@ class BatchRunner:
                 await self._ledger(self.shards.close, shard, self.run_id)  # its items went elsewhere meanwhile
                 return
             if shard.input_file_id is None:
-                found = await self.api.find_upload(shard) if shard.run_id != self.run_id else None
+                # An upload whose answer was lost (a crash, a 5xx after storing it) left the file there.
+                tried = shard.run_id != self.run_id or shard.id in self._uploaded
+                found = await self.api.find_upload(shard) if tried else None
+                self._uploaded.add(shard.id)
                 file_id = found or await self.api.upload(shard, path)
                 if file_id is not None:
                     shard = await self._ledger(self.shards.update, shard, self.run_id, input_file_id=file_id)
@@ -472,7 +486,11 @@ class BatchRunner:
             await self._ended(shard, batch)
 
     async def _reconcile(self, shard: ShardRecord) -> None:
-        """A shard whose create was sent but never recorded: adopt its batch, or find it never was."""
+        """A shard whose create was sent but never recorded: adopt its batch, or find it never was.
+
+        Until it knows, it looks again every ``reconcile_wait`` seconds.
+        """
+        self._next_poll[shard.id] = time.monotonic() + self.options.reconcile_wait
         known = await self._ledger(self.shards.known_batch_ids, shard.kind)
         candidates = [c for c in await self.api.candidates(shard) if c.batch.id not in known]
         certain = [c for c in candidates if c.certain]
@@ -577,11 +595,13 @@ class BatchRunner:
             return
         failed: dict[int, str] = {}
         lines = {e.line: e.message for e in batch.errors if e.line}
-        if lines:
+        if lines:  # the lines it names fail; the rest go again as they were
             items = await self._db.call(lambda: list(self.shards.iter_shard_items(shard.id)))
             for number, item in enumerate(items, 1):
                 if number in lines:
                     failed[item.id] = lines[number]
+        else:  # refused as a whole (too many requests, too large): the next shard is half its size
+            self._size_cap = max(1, shard.requests // 2)
         await self._refused(shard, reason, failed)
 
     # -- collecting -----------------------------------------------------------
@@ -770,11 +790,9 @@ class BatchRunner:
         self._next_poll[shard.id] = time.monotonic() + every
 
     def _until_next(self, shards: list[ShardRecord]) -> float:
+        """Seconds until a shard is due again."""
         now = time.monotonic()
-        waits = [self._next_poll.get(s.id, now) - now for s in shards if s.state == ShardState.LIVE]
-        if any(s.state != ShardState.LIVE for s in shards):
-            waits.append(min(1.0, self.options.reconcile_wait))
-        return max(0.05, min(waits, default=1.0))
+        return max(0.05, min((self._next_poll.get(s.id, now) - now for s in shards), default=1.0))
 
     async def _sleep(self, seconds: float) -> None:
         try:

@@ -79,10 +79,12 @@ class OpenAIBatchApi:
         )
 
     async def upload(self, shard: ShardRecord, path: Path) -> str:
+        # Sent once: a failed upload may have stored the file (the caller looks for it by name
+        # before sending it again), and a retry here would resend a half-read file object.
         with path.open("rb") as f:
             data = await self.http.json(
                 "POST", self._url("/files"), data={"purpose": "batch"},
-                files={"file": (_name(shard), f, "application/jsonl")},
+                files={"file": (_name(shard), f, "application/jsonl")}, retry=False,
             )
         return str(data["id"])
 

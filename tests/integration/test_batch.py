@@ -230,3 +230,60 @@ def test_reasks_can_go_online(ledger: Ledger, server: FakeProviderServer, write_
     assert online and all(r.key is not None for r in online)
     rows = list(LedgerQueries(ledger.engine).iter_items(job_id))
     assert any(r.attempts > 1 and r.state == ItemState.SUCCEEDED for r in rows)
+
+
+def test_a_batch_over_the_enqueued_token_limit_is_sent_again_smaller(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.batch_faults = BatchFaults(turnaround_s=0.2, enqueued_token_limit=60, seed=12)
+    job_id = submit(ledger, spec_for(server), write_jsonl(records(40)))
+    summary = run(ledger, job_id)
+    assert summary.exit_code == ExitCode.OK, summary.result
+    shards = ShardLedger(ledger).shards(job_id)
+    refused = [s for s in shards if s.state == ShardState.FAILED]
+    assert refused and "token_limit_exceeded" in (refused[0].error or "")
+    collected = [s for s in shards if s.state == ShardState.COLLECTED]
+    assert max(s.requests for s in collected) < refused[0].requests
+    billed_once(server, 40)
+    assert all(r.attempts == 1 for r in LedgerQueries(ledger.engine).iter_items(job_id))  # refusals cost nothing
+
+
+def test_a_batch_refused_as_a_whole_is_sent_again_smaller_and_never_loops(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.batch_faults = BatchFaults(turnaround_s=0.2, max_file_requests=15, seed=13)
+    job_id = submit(ledger, spec_for(server), write_jsonl(records(40)))
+    assert run(ledger, job_id).exit_code == ExitCode.OK
+    sizes = [s.requests for s in ShardLedger(ledger).shards(job_id) if s.state == ShardState.COLLECTED]
+    assert max(sizes) <= 15
+    billed_once(server, 40)
+    # A provider that refuses everything: the run stops after a few refusals instead of looping.
+    server.batch_faults = BatchFaults(turnaround_s=0.2, max_file_requests=0, seed=13)
+    other = prepare_job(ledger, spec_for(server), write_jsonl(records(5, "s")), new=True).job_id
+    stopped = run(ledger, other)
+    assert stopped.result.stop_reason == StopReason.ERROR and "refused" in (stopped.result.stop_message or "")
+    assert stopped.counts[ItemState.PENDING] == 5
+
+
+def test_past_the_deadline_what_is_left_goes_online(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.batch_faults = BatchFaults(turnaround_s=20.0, seed=14)
+    job_id = submit(ledger, spec_for(server, batch={"deadline": 1.0}), write_jsonl(records(30)))
+    summary = run(ledger, job_id)
+    assert summary.exit_code == ExitCode.OK, summary.result
+    [shard] = ShardLedger(ledger).shards(job_id)
+    assert shard.cancel_reason == "deadline" and shard.state == ShardState.COLLECTED
+    by_route = ShardLedger(ledger).answered_by_route(job_id)
+    assert by_route["online"] > 0 and by_route["batch"] + by_route["online"] == 30
+    billed_once(server, 30)
+
+
+def test_an_upload_answered_500_after_storing_is_found_not_sent_twice(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.batch_faults = BatchFaults(turnaround_s=0.2, p_upload_500=1.0, seed=15)
+    job_id = submit(ledger, spec_for(server), write_jsonl(records(10)))
+    assert run(ledger, job_id).exit_code == ExitCode.OK
+    assert server.batch_calls()["POST /v1/files"] == 1  # the stored file was found by its name
+    billed_once(server, 10)
