@@ -40,6 +40,7 @@ class ProviderEntry:
     cache_scope: tuple[tuple[str, str], ...] = ()
     converts_openai_input: bool = False  # [provider] convert_openai_input applies to it
     batch_api: str = ""  # "module:Class" of its batch API (batch mode), built as Class(provider, ...); "": none
+    batch_results_days: float = 0.0  # how long the provider keeps an ended batch's results
 
     def load(self) -> Callable[..., Any]:
         """The provider's class (its module is imported now)."""
@@ -66,6 +67,7 @@ ENTRIES: tuple[ProviderEntry, ...] = (
         batch_format="openai-batch",
         max_tokens_params=("max_completion_tokens", "max_tokens"),
         batch_api="batchrun.providers.openai_batch:OpenAIBatchApi",
+        batch_results_days=30.0,  # batch files expire after 30 days
     ),
     ProviderEntry(  # Responses
         kind="openai-responses",
@@ -74,6 +76,7 @@ ENTRIES: tuple[ProviderEntry, ...] = (
         batch_format="openai-batch",
         max_tokens_params=("max_output_tokens",),
         batch_api="batchrun.providers.openai_batch:OpenAIBatchApi",
+        batch_results_days=30.0,
     ),
     ProviderEntry(  # Messages
         kind="anthropic",
@@ -84,6 +87,7 @@ ENTRIES: tuple[ProviderEntry, ...] = (
         cache_scope=(("anthropic-version", "anthropic_version"),),
         converts_openai_input=True,
         batch_api="batchrun.providers.anthropic_batch:AnthropicBatchApi",
+        batch_results_days=29.0,  # results are kept 29 days after creation
     ),
 )
 

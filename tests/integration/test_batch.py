@@ -287,3 +287,44 @@ def test_an_upload_answered_500_after_storing_is_found_not_sent_twice(
     assert run(ledger, job_id).exit_code == ExitCode.OK
     assert server.batch_calls()["POST /v1/files"] == 1  # the stored file was found by its name
     billed_once(server, 10)
+
+
+def test_status_warns_before_the_provider_drops_uncollected_results(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    from sqlalchemy import text
+
+    from batchrun.report import job_status, status_lines
+
+    server.batch_faults = BatchFaults(turnaround_s=30.0, seed=16)
+    job_id = submit(ledger, spec_for(server), write_jsonl(records(3)))
+    assert run(ledger, job_id, wait=False).counts[ItemState.SUBMITTED] == 3
+    assert job_status(ledger, job_id)["batch"]["warnings"] == []
+    with ledger.engine.begin() as conn:  # the batch was made 25 days ago and never collected
+        conn.execute(text("update shards set provider_created_at = provider_created_at - 25 * 86400"))
+    data = job_status(ledger, job_id)
+    [warning] = data["batch"]["warnings"]
+    assert "drops its results in" in warning and f"batchrun resume {job_id}" in warning
+    assert any(line.startswith("  warning   shard") for line in status_lines(data))
+
+
+def test_report_and_its_page_show_the_shards_and_their_turnaround(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    from rich.console import Console
+
+    from batchrun.html_report import render_html
+    from batchrun.report import job_report, render_report
+
+    server.batch_faults = BatchFaults(turnaround_s=1.5, seed=17)  # OpenAI's times are whole seconds
+    job_id = submit(ledger, spec_for(server, batch={"max_requests": 4}), write_jsonl(records(8)))
+    assert run(ledger, job_id).exit_code == ExitCode.OK
+    data = job_report(ledger, job_id)
+    turnaround = data["batch"]["turnaround_s"]
+    assert turnaround["p50"] is not None and 1 <= turnaround["p50"] <= 3
+    console = Console(record=True, width=140)
+    render_report(data, console)
+    text = console.export_text()
+    assert "Provider batches (batch mode)" in text and "answered 8 by batch, 0 online" in text
+    page = render_html(data)
+    assert "Provider batches (batch mode)" in page and page.count("<td class=\"n\">4</td>") >= 2
