@@ -24,7 +24,7 @@ from batchrun.ledger import RETRY_FILTERS, Ledger, database_error_line, default_
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
-from batchrun.states import USER_RETRYABLE_STATES, ExitCode
+from batchrun.states import OPEN_STATES, USER_RETRYABLE_STATES, ExitCode
 
 if TYPE_CHECKING:
     from batchrun.batch import BatchOptions
@@ -549,7 +549,7 @@ def list_jobs(as_json: bool, db: str | None) -> None:
     for job in listed:
         c = job.counts
         click.echo(
-            f"{job.job_id:>5}  {job.total:>8} items  succeeded {c['succeeded']}  pending {c['pending'] + c['running']}"
+            f"{job.job_id:>5}  {job.total:>8} items  succeeded {c['succeeded']}  pending {sum(c[s] for s in OPEN_STATES)}"
             f"  failed {c['failed'] + c['invalid_output']}  rejected {c['rejected']}  {job.name or job.input_path}"
         )
 

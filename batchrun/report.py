@@ -30,7 +30,7 @@ from batchrun.errors import ExportError
 from batchrun.budget import budget_status
 from batchrun.export import write_atomic
 from batchrun.ledger import AttemptTotals, Distribution, ErrorGroup, Ledger, LedgerQueries
-from batchrun.states import FINISHED_STATES, ItemState
+from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState
 
 if TYPE_CHECKING:
     from batchrun.ledger.shards import ShardRecord
@@ -87,7 +87,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
     # throughput nor as items the cost and error rate are spread over.
     answered = counts[ItemState.SUCCEEDED] - cached
     throughput = answered / elapsed if elapsed else None
-    remaining = counts[ItemState.PENDING] + counts[ItemState.RUNNING] + counts[ItemState.SUBMITTED]
+    remaining = sum(counts[s] for s in OPEN_STATES)
     worked = answered + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
     histogram = {"0": total - sum(per_item.values())} | {str(n): per_item[n] for n in sorted(per_item)}
     dists = {m: queries.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
