@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 
 from batchrun.testing.batch_http import ApiError, Call, Reply, json_reply
-from batchrun.testing.batch_store import BatchRecord, FileRecord, new_hex_id, new_id
+from batchrun.testing.batch_store import FileRecord, new_hex_id, new_id
 from batchrun.testing.batch_work import APIS, LIVE, Batch, BatchWorker
 from batchrun.testing.batch_pages import cursor_page
 
@@ -181,21 +181,12 @@ class OpenAIBatches:
             raise ApiError(400, "metadata: at most 16 pairs of strings, keys of at most 64 "
                                 "characters, values of at most 512.")
         bf = self.worker.host.batch_faults
-        now = time.time()
-        validating = min(bf.validating_s, bf.turnaround_s)
-        rec = BatchRecord(
-            id=new_hex_id("batch_"), kind=self.name, api=_ANSWERED[endpoint],
-            order=self.worker.next_order(), created_at=now, answer_from=now + validating,
-            answer_until=now + max(bf.turnaround_s - bf.finalizing_s, validating),
-            ends_at=now + bf.turnaround_s,
-            expires_at=now + (bf.expire_after_s if bf.expire_after_s is not None else _DAY_S),
-            cancel_s=bf.cancel_s, seed=int(self._draw() * 2**53), shuffle=bf.shuffle,
+        batch_id = new_hex_id("batch_")
+        self.store.link_requests(batch_id, self.store.file_path(file_id))
+        batch = self.worker.create(
+            batch_id, self.name, _ANSWERED[endpoint], int(self._draw() * 2**53), phases=True,
             status="validating", endpoint=endpoint, input_file_id=file_id, metadata=metadata,
             clean_error_file_id=bf.clean_error_file_id)
-        self.store.link_requests(rec.id, self.store.file_path(file_id))
-        batch = Batch(rec)
-        self.worker.save(batch)
-        self.worker.add(batch)
         if self._draw() < bf.p_create_500:  # created all the same: the client must look
             raise ApiError(500, "The server had an error while processing your request.")
         return json_reply(self.to_api(batch))

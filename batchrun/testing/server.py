@@ -66,7 +66,15 @@ class FakeProviderServer:
         self.port: int = port
         self.api_key: str | None = api_key  # required credential when set; may change while running
         self._requested_port = port
-        self._key_fn = key_fn if key_fn is not None else default_key_fn
+        # The key function of each API's requests, and of an unknown route's. By default only
+        # Responses keys on "input": an embeddings-like body sent to an unknown path is not a
+        # Responses request.
+        self._keyers: dict[str, Callable[[dict[str, Any]], str | None]] = {
+            api.name: key_fn if key_fn is not None else (
+                default_key_fn if api is _RESPONSES else messages_key)
+            for api in (_CHAT, _RESPONSES, _MESSAGES)}
+        self._other_keyer = key_fn if key_fn is not None else messages_key
+        self._route_keyers = {path: self._keyers[api.name] for path, api in _ROUTES.items()}
         self._log_path = os.fspath(log_path) if log_path is not None else None
         self._lock = threading.Lock()
         self._log: list[RequestRecord] = []
@@ -273,13 +281,7 @@ class FakeProviderServer:
     def key_for(self, api: Api | None, body: dict[str, Any]) -> str | None:
         """The log key of a request body sent to ``api``."""
         try:
-            if self._key_fn is default_key_fn:
-                # Only the Responses route keys on "input": an embeddings-like body sent to
-                # an unknown path is not a Responses request.
-                if api is not None and api.name == "responses":
-                    return default_key_fn(body)
-                return messages_key(body)
-            return self._key_fn(body)
+            return self._keyers.get(api.name if api is not None else "", self._other_keyer)(body)
         except Exception:
             return None
 
@@ -348,7 +350,12 @@ class FakeProviderServer:
             except orjson.JSONDecodeError:
                 obj = None
         api = _ROUTES.get(path)
-        key = self.key_for(api, obj) if isinstance(obj, dict) else None
+        key: str | None = None
+        if isinstance(obj, dict):
+            try:
+                key = self._route_keyers.get(path, self._other_keyer)(obj)
+            except Exception:
+                key = None
         seq = self._seq
         self._seq = seq + 1
         if key is not None:
@@ -402,7 +409,7 @@ class FakeProviderServer:
         def record(outcome: str, status: int | None, completion_tokens: int = 0, fault: str | None = None) -> None:
             self._record(new_record(
                 seq, received_at, time.time(), method, path, key, outcome, status,
-                prompt_tokens, completion_tokens, fault, shape.name, stream, None, None,
+                prompt_tokens, completion_tokens, fault, shape.name, stream,
             ), obj)
 
         # Records are appended just *before* the bytes go out, so a client that has seen
