@@ -45,8 +45,14 @@ _ROUTES: dict[str, Api] = {
 
 
 class FakeProviderServer:
-    """Fault-injecting Chat Completions, Responses and Messages server on 127.0.0.1, running in
-    its own thread and event loop."""
+    """Fault-injecting Chat Completions, Responses and Messages server on 127.0.0.1, with their
+    batch APIs (OpenAI Files + Batch, Anthropic Message Batches), running in its own thread and
+    event loop.
+
+    ``batch_faults`` sets the batch APIs' timing and faults (:class:`BatchFaults`);
+    ``batch_state_dir`` keeps their files, batches and progress on disk, so that a server
+    started again on the same directory (and port) carries on where the last one stopped.
+    """
 
     def __init__(
         self,

@@ -228,3 +228,26 @@ def test_cli_serve_batch_flags_and_a_restart(tmp_path: Path) -> None:
             assert wait_openai(client, failed[0]["id"])["errors"]["data"][0]["code"] == "too_many_tasks"
     finally:
         stop(proc)
+
+
+def test_a_kill_while_ending_writes_the_same_files_again(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    faults = BatchFaults(turnaround_s=0.4, p_line_500=0.5, seed=1)
+    with FakeProviderServer(batch_faults=faults, batch_state_dir=state) as server, \
+            httpx.Client(base_url=server.base_url, timeout=10) as client:
+        file_id = upload(client, jsonl([chat_line(f"r{i}") for i in range(10)]))
+        batch = wait_openai(client, client.post("/batches", json={"input_file_id": file_id, **CREATE}).json()["id"])
+        out, err = content(client, batch["output_file_id"]), content(client, batch["error_file_id"])
+    path = state / "batches" / batch["id"] / "batch.json"
+    record = orjson.loads(path.read_bytes())
+    record.update(status="finalizing", completed_at=None)  # as if killed before saving the end
+    path.write_bytes(orjson.dumps(record))
+    with FakeProviderServer(batch_faults=faults, batch_state_dir=state) as server, \
+            httpx.Client(base_url=server.base_url, timeout=10) as client:
+        again = wait_openai(client, batch["id"])
+        assert (again["output_file_id"], again["error_file_id"]) == (batch["output_file_id"], batch["error_file_id"])
+        assert sorted(map(str, content(client, again["output_file_id"]))) == sorted(map(str, out))
+        assert len(content(client, again["error_file_id"])) == len(err)
+        outputs = client.get("/files", params={"purpose": "batch_output"}).json()["data"]
+        assert len(outputs) == 2
+        assert server.billed_by_key() == Counter(line["custom_id"] for line in out)
