@@ -11,17 +11,18 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
 from batchrun.testing.anthropic import MessagesApi
 from batchrun.testing.answers import Answer, default_key_fn, messages_key
 from batchrun.testing.api import Api, spoil_frame
-from batchrun.testing.batch_service import BatchService
 from batchrun.testing.faults import BatchFaults, Faults, RequestWindow, content_fault, fate
 from batchrun.testing.openai import ChatApi, ResponsesApi
 from batchrun.testing.request_log import RequestRecord, new_record
+if TYPE_CHECKING:
+    from batchrun.testing.batch_service import BatchService
 from batchrun.testing.wire import (
     MAX_HEADER_BYTES,
     BadRequest,
@@ -99,10 +100,8 @@ class FakeProviderServer:
         self._log_file: IO[bytes] | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._closing = False
-        # through a proxy: a cycle server <-> batches would keep every stopped server (and its
-        # state) alive until a full garbage collection, which then stalls whatever runs next
-        me = weakref.proxy(self)
-        self._batches = BatchService(me, batch_state_dir, lambda: me.anthropic_base_url)
+        self._batch_state_dir = batch_state_dir
+        self._batches: BatchService | None = None  # made when first needed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -122,7 +121,8 @@ class FakeProviderServer:
             return self
         self._closing = False
         self._startup_error = None
-        self._restore(self._batches.open())
+        if self._batch_state_dir is not None:
+            self._restore(self._batch_service().open())
         if self._log_path is not None:
             self._log_file = open(self._log_path, "ab")  # noqa: SIM115 - closed in stop()
         ready = threading.Event()
@@ -195,7 +195,8 @@ class FakeProviderServer:
             return
         self.port = server.sockets[0].getsockname()[1]
         self._t0 = time.monotonic()
-        self._batches.attach()
+        if self._batches is not None:
+            self._batches.attach()
         ready.set()
         await stop_event.wait()
 
@@ -246,7 +247,7 @@ class FakeProviderServer:
 
     def batch_calls(self) -> collections.Counter[str]:
         """How many HTTP calls each batch route got, keyed ``"METHOD /v1/batches/{id}"``."""
-        return collections.Counter(self._batches.calls)
+        return collections.Counter(self._batches.calls if self._batches is not None else ())
 
     def reset_log(self) -> None:
         """Forget the log and the per-key counters (``seq`` keeps counting)."""
@@ -260,6 +261,17 @@ class FakeProviderServer:
         """The parsed request bodies, in log order (only with ``record_bodies=True``)."""
         with self._lock:
             return list(self._bodies)
+
+    def _batch_service(self) -> BatchService:
+        """The batch APIs, loaded on first use: a server used online only never imports them."""
+        if self._batches is None:
+            from batchrun.testing.batch_service import BatchService
+
+            # through a proxy: a cycle server <-> batches would keep every stopped server (and
+            # its state) alive until a full garbage collection, which then stalls what runs next
+            me = weakref.proxy(self)
+            self._batches = BatchService(me, self._batch_state_dir, lambda: me.anthropic_base_url)
+        return self._batches
 
     def _restore(self, records: list[RequestRecord]) -> None:
         """Put the batch lines answered before a restart back in the log (not in the log file:
@@ -340,7 +352,7 @@ class FakeProviderServer:
             return False
         if req.__class__ is StreamedRequest:  # a batch route: its handler reads the body
             assert isinstance(req, StreamedRequest)
-            return await self._batches.serve(req, reader, writer)
+            return await self._batch_service().serve(req, reader, writer)
         method, path, raw, keep, headers = req  # type: ignore[misc]
 
         if method == "GET" and path == "/health":

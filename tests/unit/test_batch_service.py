@@ -182,11 +182,16 @@ def test_online_routes_keep_their_behaviour_while_batches_run() -> None:
         assert server.batch_calls()["GET /v1/batches/{id}"] >= 1
 
 
-def test_a_server_used_online_only_makes_no_batch_state() -> None:
-    with FakeProviderServer() as server:
-        httpx.post(f"{server.base_url}/chat/completions", json={"model": "m", "messages": []})
-        assert server.batch_calls() == Counter()
-        assert server._batches._worker is None  # noqa: SLF001 - nothing opened, no task
+def test_a_server_used_online_only_never_loads_the_batch_apis() -> None:
+    code = ("import sys, httpx\nfrom batchrun.testing import FakeProviderServer\n"
+            "with FakeProviderServer() as s:\n"
+            "    r = httpx.post(s.base_url + '/chat/completions', json={'model': 'm', 'messages': []})\n"
+            "    print(r.status_code, s.batch_calls(), 'batchrun.testing.batch_service' in sys.modules)\n"
+            "    httpx.get(s.base_url + '/batches')\n"
+            "    print('batchrun.testing.batch_service' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO_ROOT).stdout.split("\n")
+    assert out[:2] == ["200 Counter() False", "True"]
 
 
 def test_cli_serve_batch_flags_and_a_restart(tmp_path: Path) -> None:
