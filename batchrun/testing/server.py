@@ -81,7 +81,11 @@ class FakeProviderServer:
                 default_key_fn if api is _RESPONSES else messages_key)
             for api in (_CHAT, _RESPONSES, _MESSAGES)}
         self._other_keyer = key_fn if key_fn is not None else messages_key
-        self._route_keyers = {path: self._keyers[api.name] for path, api in _ROUTES.items()}
+        # what read_request looks up: each route's API and key function
+        self._routes: dict[str, tuple[Api, Callable[[dict[str, Any]], str | None]]] = {
+            path: (api, self._keyers[api.name]) for path, api in _ROUTES.items()}
+        self._no_route: tuple[None, Callable[[dict[str, Any]], str | None]] = (
+            None, self._other_keyer)
         self._log_path = os.fspath(log_path) if log_path is not None else None
         self._lock = threading.Lock()
         self._log: list[RequestRecord] = []
@@ -342,7 +346,7 @@ class FakeProviderServer:
     async def _handle_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Serve one request; returns whether the connection stays open."""
         try:
-            req = await read_request(reader, writer)
+            req = await read_request(reader, writer, self._routes)
         except BadRequest as exc:
             body = _CHAT.error_body(400, f"Bad request: {exc}.", b"bad_request")
             writer.write(response_head(400, len(body), b"bad_request", False) + body)
@@ -353,7 +357,7 @@ class FakeProviderServer:
         if req.__class__ is StreamedRequest:  # a batch route: its handler reads the body
             assert isinstance(req, StreamedRequest)
             return await self._batch_service().serve(req, reader, writer)
-        method, path, raw, keep, headers = req  # type: ignore[misc]
+        method, path, raw, keep, headers, route = req  # type: ignore[misc]
 
         if method == "GET" and path == "/health":
             writer.write(response_head(200, len(_HEALTH_BODY), b"health", keep) + _HEALTH_BODY)
@@ -367,11 +371,11 @@ class FakeProviderServer:
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 obj = None
-        api = _ROUTES.get(path)
+        api, keyer = route if route is not None else self._no_route
         key: str | None = None
         if isinstance(obj, dict):
             try:
-                key = self._route_keyers.get(path, self._other_keyer)(obj)
+                key = keyer(obj)
             except Exception:
                 key = None
         seq = self._seq
