@@ -251,7 +251,9 @@ class FakeProviderServer:
 
     def batch_calls(self) -> collections.Counter[str]:
         """How many HTTP calls each batch route got, keyed ``"METHOD /v1/batches/{id}"``."""
-        return collections.Counter(self._batches.calls if self._batches is not None else ())
+        batches = self._batches
+        # dict.copy: one step under the GIL, while the server's loop may be counting
+        return collections.Counter(dict.copy(batches.calls) if batches is not None else {})
 
     def reset_log(self) -> None:
         """Forget the log and the per-key counters (``seq`` keeps counting)."""
