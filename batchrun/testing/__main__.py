@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 
-from batchrun.testing.faults import Faults
+from batchrun.testing.faults import BatchFaults, Faults
 from batchrun.testing.server import FakeProviderServer
 
 
@@ -16,9 +16,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m batchrun.testing",
         description="Fault-injecting fake LLM server: OpenAI Chat Completions and Responses, "
-                    "Anthropic Messages; plain and streamed.")
+                    "Anthropic Messages, plain and streamed; and their batch APIs (OpenAI Files + "
+                    "Batch, Anthropic Message Batches).")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve on 127.0.0.1 until SIGINT/SIGTERM")
+    serve = sub.add_parser(
+        "serve", help="serve on 127.0.0.1 until SIGINT/SIGTERM",
+        description="Serve on 127.0.0.1 until SIGINT/SIGTERM. Online: POST /v1/chat/completions, "
+                    "/v1/responses, /v1/messages. Batch: POST/GET /v1/files, GET/DELETE "
+                    "/v1/files/ID, GET /v1/files/ID/content, POST/GET /v1/batches, GET "
+                    "/v1/batches/ID, POST /v1/batches/ID/cancel; POST/GET /v1/messages/batches, "
+                    "GET/DELETE /v1/messages/batches/ID, POST .../ID/cancel, GET .../ID/results. "
+                    "A batch answers its lines with the same fake model as the online routes, "
+                    "evenly over --batch-turnaround seconds (wall clock); with --batch-state its "
+                    "files, batches and answered lines survive a restart on the same directory.")
     serve.add_argument("--port", type=int, default=8000, help="0 -> ephemeral")
     serve.add_argument("--latency", type=float, default=0.0, help="seconds added per request")
     serve.add_argument("--jitter", type=float, default=0.0, help="uniform extra 0..JITTER s")
@@ -39,7 +49,42 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None,
                        help="require this key (Authorization: Bearer / x-api-key), else 401")
     serve.add_argument("--seed", type=int, default=None)
-    serve.add_argument("--log", default=None, help="append one JSON line per request here")
+    serve.add_argument("--log", default=None,
+                       help="append one JSON line per request (and per answered batch line) here")
+    batch = serve.add_argument_group("batch APIs")
+    defaults = BatchFaults()
+    batch.add_argument("--batch-state", default=None, metavar="DIR",
+                       help="keep files, batches and their progress in DIR (survives restarts)")
+    batch.add_argument("--batch-turnaround", type=float, default=defaults.turnaround_s, metavar="S",
+                       help="seconds from a batch's creation to its end (default %(default)s)")
+    batch.add_argument("--batch-validating", type=float, default=defaults.validating_s, metavar="S",
+                       help="OpenAI: seconds a batch stays 'validating' (part of the turnaround)")
+    batch.add_argument("--batch-finalizing", type=float, default=defaults.finalizing_s, metavar="S",
+                       help="OpenAI: seconds a batch stays 'finalizing' (part of the turnaround)")
+    batch.add_argument("--batch-cancel-delay", type=float, default=defaults.cancel_s, metavar="S",
+                       help="seconds from a cancel to the batch's end")
+    batch.add_argument("--batch-expire-after", type=float, default=None, metavar="S",
+                       help="a batch expires S seconds after creation, unanswered lines expired "
+                            "(default: 24 h)")
+    batch.add_argument("--batch-no-shuffle", action="store_true",
+                       help="answer and list a batch's lines in input order")
+    for name, what in (("line-500", "a batch line answered 500"),
+                       ("line-400", "a batch line answered 400"),
+                       ("create-500", "a batch create answered 500 after creating the batch"),
+                       ("upload-500", "POST /v1/files answered 500 after storing the file"),
+                       ("poll-429", "a GET of a batch route answered 429"),
+                       ("poll-500", "a GET of a batch route answered 500")):
+        batch.add_argument(f"--batch-p-{name}", type=float, default=0.0, metavar="P",
+                           help=f"probability of {what}")
+    batch.add_argument("--batch-token-limit", type=int, default=None, metavar="N",
+                       help="OpenAI: enqueued prompt tokens per model; past it a batch fails "
+                            "with token_limit_exceeded")
+    batch.add_argument("--batch-clean-error-file-id", choices=("null", "empty", "absent"),
+                       default="null",
+                       help="OpenAI: error_file_id of a batch where no line failed")
+    batch.add_argument("--batch-max-requests", type=int, default=None, metavar="N",
+                       help="lines per OpenAI input file and requests per Anthropic batch "
+                            "(default 50,000 and 100,000)")
     args = parser.parse_args(argv)
 
     faults = Faults(
@@ -52,6 +97,18 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed, p_overloaded=args.p_overloaded, p_stream_drop=args.p_stream_drop,
         p_stream_error=args.p_stream_error, stream_chunk_delay_s=args.stream_chunk_delay,
     )
+    batch_faults = BatchFaults(
+        turnaround_s=args.batch_turnaround, validating_s=args.batch_validating,
+        finalizing_s=args.batch_finalizing, cancel_s=args.batch_cancel_delay,
+        expire_after_s=args.batch_expire_after, shuffle=not args.batch_no_shuffle,
+        p_line_500=args.batch_p_line_500, p_line_400=args.batch_p_line_400,
+        p_create_500=args.batch_p_create_500, p_upload_500=args.batch_p_upload_500,
+        p_poll_429=args.batch_p_poll_429, p_poll_500=args.batch_p_poll_500,
+        enqueued_token_limit=args.batch_token_limit,
+        clean_error_file_id=args.batch_clean_error_file_id, seed=args.seed,
+    )
+    if args.batch_max_requests is not None:
+        batch_faults.max_file_requests = batch_faults.max_batch_requests = args.batch_max_requests
     stop = threading.Event()
 
     def _on_signal(signum: int, frame: object) -> None:
@@ -59,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    with FakeProviderServer(faults, port=args.port, log_path=args.log, api_key=args.api_key) as server:
+    with FakeProviderServer(faults, port=args.port, log_path=args.log, api_key=args.api_key,
+                            batch_faults=batch_faults, batch_state_dir=args.batch_state) as server:
         print(f"listening on {server.base_url}", flush=True)
         while not stop.wait(0.5):
             pass

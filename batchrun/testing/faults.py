@@ -1,10 +1,12 @@
-"""What the fake server does wrong: the fault plan, each request's fate, the request-rate window."""
+"""What the fake server does wrong: the fault plan, each request's fate, the request-rate window;
+and how its provider batches behave (:class:`BatchFaults`)."""
 
 from __future__ import annotations
 
 import collections
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 _RPM_WINDOW_S = 60.0
 
@@ -60,6 +62,44 @@ class Faults:
     # and the stream ends cleanly. Not streamed: a 500.
     p_stream_error: float = 0.0
     stream_chunk_delay_s: float = 0.0  # slept between a stream's content deltas
+
+
+@dataclass
+class BatchFaults:
+    """How the batch APIs (OpenAI Files + Batch, Anthropic Message Batches) behave: their
+    timing, scaled down from hours to seconds, their limits, and what they do wrong.
+
+    A batch's timing, shuffle and expiry are frozen into it when it is created (so a batch
+    created before a restart keeps its clock after it); the probabilities are read when they
+    apply. Per-line draws come from the batch's own seed (drawn from ``seed`` at creation), the
+    HTTP-level faults from a generator seeded with ``seed``.
+    """
+
+    turnaround_s: float = 2.0  # creation -> ended; lines are answered evenly in between
+    validating_s: float = 0.1  # OpenAI: the first part of the turnaround is "validating"
+    finalizing_s: float = 0.1  # OpenAI: the last part is "finalizing"
+    cancel_s: float = 0.2  # cancelling / canceling -> cancelled / ended
+    # The batch expires this long after creation (its unanswered lines expired, the answered
+    # ones kept); None: 24 h, as the real ones (expires_at says when).
+    expire_after_s: float | None = None
+    shuffle: bool = True  # lines answered, and results listed, in a random order
+    p_line_500: float = 0.0  # a line answered 500 inside the batch (OpenAI error file; Anthropic errored api_error)
+    p_line_400: float = 0.0  # a line answered 400 invalid_request_error inside the batch
+    p_create_500: float = 0.0  # a create answered 500 *after* the batch was created (it is listed)
+    p_upload_500: float = 0.0  # POST /v1/files answered 500 after the file was stored (it is listed)
+    p_poll_429: float = 0.0  # a GET of the batch routes (retrieve, list, file, content, results) answered 429
+    p_poll_500: float = 0.0  # ... answered 500
+    # OpenAI: per model, the estimated prompt tokens of unfinished batches (validated, not
+    # ended) plus a new one's may not pass this, else it fails with token_limit_exceeded.
+    enqueued_token_limit: int | None = None
+    # OpenAI: what error_file_id is when no line failed (the real API has sent each).
+    clean_error_file_id: Literal["null", "empty", "absent"] = "null"
+    max_file_requests: int = 50_000  # OpenAI: lines per input file (else too_many_tasks)
+    max_file_bytes: int = 200 * 1024 * 1024  # OpenAI: bytes per batch input file
+    max_upload_bytes: int = 512 * 1024 * 1024  # OpenAI: bytes per upload (413 beyond)
+    max_batch_requests: int = 100_000  # Anthropic: requests per batch
+    max_batch_bytes: int = 256 * 1024 * 1024  # Anthropic: bytes per create body (413 beyond)
+    seed: int | None = None
 
 
 def fate(

@@ -9,20 +9,24 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
 from batchrun.testing.anthropic import MessagesApi
 from batchrun.testing.answers import Answer, default_key_fn, messages_key
 from batchrun.testing.api import Api, spoil_frame
-from batchrun.testing.faults import Faults, RequestWindow, content_fault, fate
+from batchrun.testing.faults import BatchFaults, Faults, RequestWindow, content_fault, fate
 from batchrun.testing.openai import ChatApi, ResponsesApi
+from batchrun.testing.request_log import RequestRecord, new_record
+if TYPE_CHECKING:
+    from batchrun.testing.batch_service import BatchService
 from batchrun.testing.wire import (
     MAX_HEADER_BYTES,
     BadRequest,
+    StreamedRequest,
     abort_with_rst,
     read_request,
     response_head,
@@ -31,41 +35,6 @@ from batchrun.testing.wire import (
 )
 
 _HEALTH_BODY = b'{"ok":true}'
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One request as seen by the server, appended just before its answer goes out (a hang:
-    when the client leaves).
-
-    ``prompt_tokens`` / ``completion_tokens`` are the usage the answer reported (for a stream,
-    what its usage event reports, even when a fault cut the stream before it).
-    """
-
-    seq: int
-    received_at: float
-    finished_at: float
-    method: str
-    path: str
-    key: str | None
-    outcome: str
-    status: int | None
-    prompt_tokens: int
-    completion_tokens: int
-    output_fault: str | None = None  # which content fault a structured answer carried
-    api: str = "chat"  # "chat" | "responses" | "messages": whose shape answered
-    stream: bool = False  # the request asked for a stream
-
-
-_RECORD_FIELDS = tuple(f.name for f in fields(RequestRecord))
-
-
-def _new_record(*values: Any) -> RequestRecord:
-    """``RequestRecord(*values)`` (every field given), built without the frozen dataclass's
-    per-field ``object.__setattr__``: that was a tenth of the plain path's CPU per request."""
-    rec: RequestRecord = object.__new__(RequestRecord)
-    rec.__dict__.update(zip(_RECORD_FIELDS, values))
-    return rec
 
 
 _CHAT, _RESPONSES, _MESSAGES = ChatApi(), ResponsesApi(), MessagesApi()
@@ -77,8 +46,14 @@ _ROUTES: dict[str, Api] = {
 
 
 class FakeProviderServer:
-    """Fault-injecting Chat Completions, Responses and Messages server on 127.0.0.1, running in
-    its own thread and event loop."""
+    """Fault-injecting Chat Completions, Responses and Messages server on 127.0.0.1, with their
+    batch APIs (OpenAI Files + Batch, Anthropic Message Batches), running in its own thread and
+    event loop.
+
+    ``batch_faults`` sets the batch APIs' timing and faults (:class:`BatchFaults`);
+    ``batch_state_dir`` keeps their files, batches and progress on disk, so that a server
+    started again on the same directory (and port) carries on where the last one stopped.
+    """
 
     def __init__(
         self,
@@ -89,12 +64,28 @@ class FakeProviderServer:
         log_path: str | os.PathLike[str] | None = None,
         record_bodies: bool = False,
         api_key: str | None = None,
+        batch_faults: BatchFaults | None = None,
+        batch_state_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.faults: Faults = faults if faults is not None else Faults()
+        # the batch APIs' timing and faults; may be replaced while running
+        self.batch_faults: BatchFaults = batch_faults if batch_faults is not None else BatchFaults()
         self.port: int = port
         self.api_key: str | None = api_key  # required credential when set; may change while running
         self._requested_port = port
-        self._key_fn = key_fn if key_fn is not None else default_key_fn
+        # The key function of each API's requests, and of an unknown route's. By default only
+        # Responses keys on "input": an embeddings-like body sent to an unknown path is not a
+        # Responses request.
+        self._keyers: dict[str, Callable[[dict[str, Any]], str | None]] = {
+            api.name: key_fn if key_fn is not None else (
+                default_key_fn if api is _RESPONSES else messages_key)
+            for api in (_CHAT, _RESPONSES, _MESSAGES)}
+        self._other_keyer = key_fn if key_fn is not None else messages_key
+        # what read_request looks up: each route's API and key function
+        self._routes: dict[str, tuple[Api, Callable[[dict[str, Any]], str | None]]] = {
+            path: (api, self._keyers[api.name]) for path, api in _ROUTES.items()}
+        self._no_route: tuple[None, Callable[[dict[str, Any]], str | None]] = (
+            None, self._other_keyer)
         self._log_path = os.fspath(log_path) if log_path is not None else None
         self._lock = threading.Lock()
         self._log: list[RequestRecord] = []
@@ -113,6 +104,8 @@ class FakeProviderServer:
         self._log_file: IO[bytes] | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._closing = False
+        self._batch_state_dir = batch_state_dir
+        self._batches: BatchService | None = None  # made when first needed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -132,6 +125,8 @@ class FakeProviderServer:
             return self
         self._closing = False
         self._startup_error = None
+        if self._batch_state_dir is not None:
+            self._restore(self._batch_service().open())
         if self._log_path is not None:
             self._log_file = open(self._log_path, "ab")  # noqa: SIM115 - closed in stop()
         ready = threading.Event()
@@ -204,6 +199,8 @@ class FakeProviderServer:
             return
         self.port = server.sockets[0].getsockname()[1]
         self._t0 = time.monotonic()
+        if self._batches is not None:
+            self._batches.attach()
         ready.set()
         await stop_event.wait()
 
@@ -243,6 +240,21 @@ class FakeProviderServer:
                 r.key for r in self._log if r.outcome == "ok" and r.key is not None
             )
 
+    def billed_by_key(self) -> collections.Counter[str]:
+        """How many answers a provider would charge for, per key: online 200s and batch lines
+        answered 200 together (lines answered before a restart on the same state directory
+        included)."""
+        with self._lock:
+            return collections.Counter(
+                r.key for r in self._log if r.status == 200 and r.key is not None
+            )
+
+    def batch_calls(self) -> collections.Counter[str]:
+        """How many HTTP calls each batch route got, keyed ``"METHOD /v1/batches/{id}"``."""
+        batches = self._batches
+        # dict.copy: one step under the GIL, while the server's loop may be counting
+        return collections.Counter(dict.copy(batches.calls) if batches is not None else {})
+
     def reset_log(self) -> None:
         """Forget the log and the per-key counters (``seq`` keeps counting)."""
         with self._lock:
@@ -255,6 +267,53 @@ class FakeProviderServer:
         """The parsed request bodies, in log order (only with ``record_bodies=True``)."""
         with self._lock:
             return list(self._bodies)
+
+    def _batch_service(self) -> BatchService:
+        """The batch APIs, loaded on first use: a server used online only never imports them."""
+        if self._batches is None:
+            from batchrun.testing.batch_service import BatchService
+
+            # through a proxy: a cycle server <-> batches would keep every stopped server (and
+            # its state) alive until a full garbage collection, which then stalls what runs next
+            me = weakref.proxy(self)
+            self._batches = BatchService(me, self._batch_state_dir, lambda: me.anthropic_base_url)
+        return self._batches
+
+    def _restore(self, records: list[RequestRecord]) -> None:
+        """Put the batch lines answered before a restart back in the log (not in the log file:
+        they are there already, but for any a kill cut off between the journal and the file)."""
+        if not records:
+            return
+        with self._lock:
+            self._log[:0] = records
+            self._arrivals.update(r.key for r in records if r.key is not None)
+            self._seq = max(self._seq, records[-1].seq + 1)
+        if self._log_path is not None:
+            logged = _last_batch_seq(self._log_path)
+            with open(self._log_path, "ab") as f:
+                for rec in records:
+                    if rec.seq > logged:
+                        f.write(orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE))
+
+    # what the batch worker needs of its host (batch_work.Host)
+
+    def next_seq(self) -> int:
+        seq = self._seq
+        self._seq = seq + 1
+        return seq
+
+    def key_for(self, api: Api | None, body: dict[str, Any]) -> str | None:
+        """The log key of a request body sent to ``api``."""
+        try:
+            return self._keyers.get(api.name if api is not None else "", self._other_keyer)(body)
+        except Exception:
+            return None
+
+    def record(self, rec: RequestRecord) -> None:
+        if rec.key is not None:
+            with self._lock:
+                self._arrivals[rec.key] += 1
+        self._record(rec)
 
     def _record(self, rec: RequestRecord, body: Any = None) -> None:
         with self._lock:
@@ -289,7 +348,7 @@ class FakeProviderServer:
     async def _handle_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Serve one request; returns whether the connection stays open."""
         try:
-            req = await read_request(reader, writer)
+            req = await read_request(reader, writer, self._routes)
         except BadRequest as exc:
             body = _CHAT.error_body(400, f"Bad request: {exc}.", b"bad_request")
             writer.write(response_head(400, len(body), b"bad_request", False) + body)
@@ -297,7 +356,10 @@ class FakeProviderServer:
             return False
         if req is None or self._closing:
             return False
-        method, path, raw, keep, headers = req
+        if req.__class__ is StreamedRequest:  # a batch route: its handler reads the body
+            assert isinstance(req, StreamedRequest)
+            return await self._batch_service().serve(req, reader, writer)
+        method, path, raw, keep, headers, route = req  # type: ignore[misc]
 
         if method == "GET" and path == "/health":
             writer.write(response_head(200, len(_HEALTH_BODY), b"health", keep) + _HEALTH_BODY)
@@ -311,16 +373,11 @@ class FakeProviderServer:
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 obj = None
-        api = _ROUTES.get(path)
+        api, keyer = route if route is not None else self._no_route
         key: str | None = None
         if isinstance(obj, dict):
             try:
-                if self._key_fn is default_key_fn:
-                    # Only the Responses route keys on "input": an embeddings-like body sent to
-                    # an unknown path is not a Responses request.
-                    key = default_key_fn(obj) if api is _RESPONSES else messages_key(obj)
-                else:
-                    key = self._key_fn(obj)
+                key = keyer(obj)
             except Exception:
                 key = None
         seq = self._seq
@@ -374,7 +431,7 @@ class FakeProviderServer:
                 self._window.reset_at(now_m, f.rpm_window_s))
 
         def record(outcome: str, status: int | None, completion_tokens: int = 0, fault: str | None = None) -> None:
-            self._record(_new_record(
+            self._record(new_record(
                 seq, received_at, time.time(), method, path, key, outcome, status,
                 prompt_tokens, completion_tokens, fault, shape.name, stream,
             ), obj)
@@ -463,3 +520,19 @@ class FakeProviderServer:
         writer.write(b"".join(out))
         await writer.drain()
         return complete  # a dropped stream: the caller closes the connection
+
+
+def _last_batch_seq(path: str) -> int:
+    """The seq of the last batch-line record in a log file (-1: none)."""
+    last = -1
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if b'"api":"batch:' in line:
+                    try:
+                        last = max(last, orjson.loads(line)["seq"])
+                    except (orjson.JSONDecodeError, KeyError, TypeError):
+                        pass  # a torn last line
+    except FileNotFoundError:
+        pass
+    return last

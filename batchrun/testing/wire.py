@@ -11,8 +11,11 @@ import asyncio
 import math
 import socket
 import struct
+from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
+
+_R = TypeVar("_R")
 
 MAX_HEADER_BYTES = 64 * 1024
 _MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -23,10 +26,19 @@ _HEADERS_READ: dict[bytes, bytes] = {h: h for h in (
     b"content-length", b"transfer-encoding", b"connection", b"expect", b"authorization",
     b"x-api-key", b"anthropic-version")}
 _REASONS[529] = b"Site Overloaded"
+# Routes whose handler reads the body itself, in pieces: the batch APIs' uploads and batch
+# creations may be hundreds of MB (more than the in-memory _MAX_BODY_BYTES).
+_STREAMED_PREFIXES = (b"/v1/files", b"/v1/batches", b"/v1/messages/batches")
+_PIECE_BYTES = 1 << 20
 
 
 class BadRequest(Exception):
     """Malformed HTTP framing; answered with a 400 and the connection is closed."""
+
+
+class BodyTooLarge(BadRequest):
+    """A body past its route's limit: the online routes answer 400, the batch routes 413, and
+    the connection is closed."""
 
 
 class Headers(NamedTuple):
@@ -35,6 +47,27 @@ class Headers(NamedTuple):
     authorization: bytes | None
     x_api_key: bytes | None
     anthropic_version: bytes | None
+
+
+class StreamedRequest(NamedTuple):
+    """A request to a batch route, head read, body not: its handler reads it with
+    :func:`body_pieces` (100-continue already answered)."""
+
+    method: str
+    target: str  # path and query string
+    keep: bool
+    length: int
+    chunked: bool
+    headers: Headers
+    head: list[bytes]  # the header lines, for those the hot path does not read (content-type)
+
+    def header(self, name: bytes) -> bytes | None:
+        """The value of header ``name`` (lower case), else None."""
+        for line in self.head:
+            key, sep, value = line.partition(b":")
+            if sep and key.strip().lower() == name:
+                return value.strip()
+        return None
 
 
 def retry_after_headers(seconds: float) -> bytes:
@@ -68,9 +101,14 @@ def sse_head(req_id: bytes, keep: bool, extra: bytes, rid: bytes) -> bytes:
 
 
 async def read_request(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> tuple[str, str, bytes, bool, Headers] | None:
-    """Read one request: (method, path, body, keep_alive, headers), or None at EOF."""
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, routes: dict[str, _R]
+) -> tuple[str, str, bytes, bool, Headers, _R | None] | StreamedRequest | None:
+    """Read one request: (method, path, body, keep_alive, headers, ``routes[path]`` or None), a
+    :class:`StreamedRequest` for a batch route, or None at EOF.
+
+    The route is looked up here, before the body is read: a path that is no route of
+    ``routes`` may be a batch route, whose handler reads the body itself; the online routes
+    pay nothing for that check."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError:
@@ -80,7 +118,7 @@ async def read_request(
     if head[0] in b"\r\n":  # tolerate stray CRLFs between pipelined requests
         head = head.lstrip(b"\r\n")
         if not head:
-            return await read_request(reader, writer)
+            return await read_request(reader, writer, routes)
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ")
     if len(parts) != 3:
@@ -107,7 +145,7 @@ async def read_request(
                 length = int(value)
             except ValueError as exc:
                 raise BadRequest("bad content-length") from exc
-            if length < 0 or length > _MAX_BODY_BYTES:
+            if length < 0:
                 raise BadRequest("bad content-length")
         elif which == b"transfer-encoding":
             chunked = b"chunked" in value.lower()
@@ -127,6 +165,17 @@ async def read_request(
         keep = b"keep-alive" in conn
     else:
         raise BadRequest("unsupported HTTP version")
+    # tuple.__new__: a NamedTuple's own __new__ costs a Python call per request
+    headers = tuple.__new__(Headers, (authorization, x_api_key, anthropic_version))
+    path = target.split(b"?", 1)[0].decode("latin-1")
+    route = routes.get(path)
+    if route is None and target.startswith(_STREAMED_PREFIXES):
+        if expect and (chunked or length):
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return StreamedRequest(method_b.decode("latin-1"), target.decode("latin-1"), keep,
+                               length, chunked, headers, lines[1:])
+    if length > _MAX_BODY_BYTES:
+        raise BodyTooLarge("bad content-length")
     if expect and (chunked or length):
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     if chunked:
@@ -135,29 +184,73 @@ async def read_request(
         body = await reader.readexactly(length)
     else:
         body = b""
-    path = target.split(b"?", 1)[0].decode("latin-1")
-    # tuple.__new__: a NamedTuple's own __new__ costs a Python call per request
-    headers = tuple.__new__(Headers, (authorization, x_api_key, anthropic_version))
-    return method_b.decode("latin-1"), path, body, keep, headers
+    return method_b.decode("latin-1"), path, body, keep, headers, route
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
     body = bytearray()
+    async for piece in _chunks(reader, _MAX_BODY_BYTES):
+        body += piece
+    return bytes(body)
+
+
+async def _chunks(reader: asyncio.StreamReader, limit: int) -> AsyncIterator[bytes]:
+    """The pieces of a chunked body (at most ``limit`` bytes in all), trailers skipped."""
+    total = 0
     while True:
         line = await reader.readuntil(b"\r\n")
         try:
             size = int(line.split(b";", 1)[0].strip(), 16)
         except ValueError as exc:
             raise BadRequest("bad chunk size") from exc
-        if size < 0 or len(body) + size > _MAX_BODY_BYTES:
+        total += size
+        if size < 0:
             raise BadRequest("bad chunk size")
+        if total > limit:
+            raise BodyTooLarge("body too large")
         if size == 0:
             while await reader.readuntil(b"\r\n") != b"\r\n":  # skip trailers
                 pass
-            return bytes(body)
-        body += await reader.readexactly(size)
+            return
+        async for piece in _pieces(reader, size):
+            yield piece
         if await reader.readexactly(2) != b"\r\n":
             raise BadRequest("bad chunk terminator")
+
+
+async def body_pieces(reader: asyncio.StreamReader, req: StreamedRequest,
+                      limit: int) -> AsyncIterator[bytes]:
+    """The body of a :class:`StreamedRequest` in pieces of at most 1 MiB; raises
+    :class:`BodyTooLarge` once it passes ``limit`` bytes, :class:`BadRequest` on bad framing."""
+    if req.chunked:
+        async for piece in _chunks(reader, limit):
+            yield piece
+        return
+    if req.length > limit:
+        raise BodyTooLarge("body too large")
+    async for piece in _pieces(reader, req.length):
+        yield piece
+
+
+async def _pieces(reader: asyncio.StreamReader, size: int) -> AsyncIterator[bytes]:
+    """The next ``size`` bytes, in pieces of at most 1 MiB."""
+    while size:
+        piece = await reader.read(min(size, _PIECE_BYTES))
+        if not piece:
+            raise asyncio.IncompleteReadError(b"", size)
+        size -= len(piece)
+        yield piece
+
+
+def file_head(status: int, length: int, content_type: bytes, req_id: bytes, keep: bool,
+              rid: bytes) -> bytes:
+    """Status line and headers of a response that is a file (sent after it, in pieces)."""
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
+        b"%s: req_%s\r\nconnection: %s\r\n\r\n"
+        % (status, _REASONS.get(status, b"Unknown"), content_type, length, rid, req_id,
+           b"keep-alive" if keep else b"close")
+    )
 
 
 def abort_with_rst(writer: asyncio.StreamWriter) -> None:
