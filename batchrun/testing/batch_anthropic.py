@@ -33,11 +33,10 @@ import orjson
 
 from batchrun.testing.batch_http import ApiError, Call, Reply, json_reply
 from batchrun.testing.batch_pages import cursor_page
-from batchrun.testing.batch_store import BatchRecord, new_id
+from batchrun.testing.batch_store import new_id
 from batchrun.testing.batch_work import APIS, Batch, BatchWorker
 
 _CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-_DAY_S = 86_400
 _ENDED = ("completed", "expired", "cancelled")
 _UNANSWERED = {"expired": b'{"type":"expired"}', "cancelled": b'{"type":"canceled"}'}
 
@@ -129,17 +128,10 @@ class AnthropicBatches:
                 offsets.append(pos)
                 tokens += api.prompt_tokens(item["params"])
         self.store.write_index(batch_id, offsets)
-        ends = now + bf.turnaround_s
-        rec = BatchRecord(
-            id=batch_id, kind=self.name, api="messages", order=self.worker.next_order(),
-            created_at=now, answer_from=now, answer_until=ends, ends_at=ends,
-            expires_at=now + (bf.expire_after_s if bf.expire_after_s is not None else _DAY_S),
-            cancel_s=bf.cancel_s, seed=int(self._draw() * 2**53), shuffle=bf.shuffle,
+        batch = self.worker.create(
+            batch_id, self.name, "messages", int(self._draw() * 2**53), phases=False,
             status="in_progress", endpoint="/v1/messages", total=len(requests), tokens=tokens,
             in_progress_at=now)
-        batch = Batch(rec)
-        self.worker.save(batch)
-        self.worker.add(batch)
         if self._draw() < bf.p_create_500:  # created all the same: the client must look
             raise ApiError(500, "Internal server error")
         return json_reply(self.to_api(batch))

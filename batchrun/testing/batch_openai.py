@@ -29,12 +29,13 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from batchrun.testing.batch_http import ApiError, Call, Reply, json_reply
-from batchrun.testing.batch_store import BatchRecord, FileRecord, new_hex_id, new_id
+from batchrun.testing.batch_store import FileRecord, derived_id, new_hex_id, new_id
 from batchrun.testing.batch_work import APIS, LIVE, Batch, BatchWorker
 from batchrun.testing.batch_pages import cursor_page
 
@@ -181,21 +182,12 @@ class OpenAIBatches:
             raise ApiError(400, "metadata: at most 16 pairs of strings, keys of at most 64 "
                                 "characters, values of at most 512.")
         bf = self.worker.host.batch_faults
-        now = time.time()
-        validating = min(bf.validating_s, bf.turnaround_s)
-        rec = BatchRecord(
-            id=new_hex_id("batch_"), kind=self.name, api=_ANSWERED[endpoint],
-            order=self.worker.next_order(), created_at=now, answer_from=now + validating,
-            answer_until=now + max(bf.turnaround_s - bf.finalizing_s, validating),
-            ends_at=now + bf.turnaround_s,
-            expires_at=now + (bf.expire_after_s if bf.expire_after_s is not None else _DAY_S),
-            cancel_s=bf.cancel_s, seed=int(self._draw() * 2**53), shuffle=bf.shuffle,
+        batch_id = new_hex_id("batch_")
+        self.store.link_requests(batch_id, self.store.file_path(file_id))
+        batch = self.worker.create(
+            batch_id, self.name, _ANSWERED[endpoint], int(self._draw() * 2**53), phases=True,
             status="validating", endpoint=endpoint, input_file_id=file_id, metadata=metadata,
             clean_error_file_id=bf.clean_error_file_id)
-        self.store.link_requests(rec.id, self.store.file_path(file_id))
-        batch = Batch(rec)
-        self.worker.save(batch)
-        self.worker.add(batch)
         if self._draw() < bf.p_create_500:  # created all the same: the client must look
             raise ApiError(500, "The server had an error while processing your request.")
         return json_reply(self.to_api(batch))
@@ -352,14 +344,19 @@ class OpenAIBatches:
                                             "error": {"code": code, "message": message}},
                                            option=orjson.OPT_APPEND_NEWLINE))
                     n_err += 1
-        r.output_file_id = self._output_file(out_path, f"batch_{r.id}_output.jsonl") if n_out else None
-        r.error_file_id = self._output_file(err_path, f"batch_{r.id}_error.jsonl") if n_err else None
+        r.output_file_id = self._output_file(r.id, "output", out_path) if n_out else None
+        r.error_file_id = self._output_file(r.id, "error", err_path) if n_err else None
         out_path.unlink(missing_ok=True)
         err_path.unlink(missing_ok=True)
 
-    def _output_file(self, data: Any, filename: str) -> str:
-        rec = FileRecord(new_id("file-", 22), data.stat().st_size, int(time.time()), filename,
-                         "batch_output", self._next_file_order())
+    def _output_file(self, batch_id: str, which: str, data: Path) -> str:
+        # The id follows from the batch: a server killed while ending a batch ends it again at
+        # its next start, and writes the same files again rather than two more.
+        file_id = derived_id("file-", 22, f"{batch_id}/{which}")
+        old = self.files.get(file_id)
+        rec = FileRecord(file_id, data.stat().st_size, int(time.time()),
+                         f"batch_{batch_id}_{which}.jsonl", "batch_output",
+                         old.order if old is not None else self._next_file_order())
         self.store.save_file(rec, data)
         self.files[rec.id] = rec
         return rec.id

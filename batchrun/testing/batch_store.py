@@ -22,6 +22,7 @@ A torn last line (a kill mid-write) is cut off at load.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import secrets
 import shutil
@@ -40,6 +41,16 @@ _BASE62 = string.ascii_letters + string.digits
 def new_id(prefix: str, n: int, alphabet: str = _BASE62) -> str:
     """A random id shaped as the providers' (``file-`` + 22 base62, ``batch_`` + 32 hex...)."""
     return prefix + "".join(secrets.choice(alphabet) for _ in range(n))
+
+
+def derived_id(prefix: str, n: int, seed: str) -> str:
+    """An id shaped as :func:`new_id`'s, the same each time for the same ``seed``."""
+    number = int.from_bytes(hashlib.sha256(seed.encode()).digest(), "big")
+    chars = []
+    for _ in range(n):
+        number, digit = divmod(number, len(_BASE62))
+        chars.append(_BASE62[digit])
+    return prefix + "".join(chars)
 
 
 def new_hex_id(prefix: str) -> str:

@@ -37,6 +37,7 @@ APIS: dict[str, Api] = {"chat": ChatApi(), "responses": ResponsesApi(), "message
 # A batch line carries no headers of its own; the Messages version header is the batch's.
 _LINE_HEADERS = Headers(None, None, b"2023-06-01")
 _TICK_S = 0.02
+_DAY_S = 86_400  # a batch's completion window, unless BatchFaults.expire_after_s says otherwise
 _LINES_PER_STEP = 500  # then the worker yields to the event loop
 LIVE = ("validating", "in_progress", "finalizing", "cancelling")
 UNFINISHED = ("in_progress", "finalizing", "cancelling")  # validated, not ended: tokens enqueued
@@ -97,8 +98,10 @@ class Batch:
             return r.total
         return min(r.total, math.ceil(r.total * (t - r.answer_from) / span))
 
-    def lines(self, store: BatchStore, which: Iterable[int]) -> Iterable[Any]:
+    def lines(self, store: BatchStore, which: list[int]) -> Iterable[Any]:
         """The parsed input lines ``which`` (indices into the batch's lines)."""
+        if not which:  # a batch cancelled while validating has no lines (nor index)
+            return
         if self._index is None:
             self._index = store.read_index(self.rec.id)
         index = self._index
@@ -151,10 +154,25 @@ class BatchWorker:
         records.sort(key=lambda r: r.seq)
         return records
 
-    def add(self, batch: Batch) -> None:
-        """A new batch (already saved)."""
-        self.batches[batch.rec.id] = batch
+    def create(self, batch_id: str, kind: str, api: str, seed: int, phases: bool,
+               **fields: Any) -> Batch:
+        """Save and start working a new batch, its clock set from the current BatchFaults:
+        with ``phases`` (OpenAI), validating first and finalizing last."""
+        bf = self.host.batch_faults
+        now = time.time()
+        validating = min(bf.validating_s, bf.turnaround_s) if phases else 0.0
+        finalizing = bf.finalizing_s if phases else 0.0
+        batch = Batch(BatchRecord(
+            id=batch_id, kind=kind, api=api, order=self.next_order(), created_at=now,
+            answer_from=now + validating,
+            answer_until=now + max(bf.turnaround_s - finalizing, validating),
+            ends_at=now + bf.turnaround_s,
+            expires_at=now + (bf.expire_after_s if bf.expire_after_s is not None else _DAY_S),
+            cancel_s=bf.cancel_s, seed=seed, shuffle=bf.shuffle, **fields))
+        self.save(batch)
+        self.batches[batch_id] = batch
         self.wake()
+        return batch
 
     def save(self, batch: Batch) -> None:
         self.store.save_batch(batch.rec)

@@ -11,17 +11,18 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
 from batchrun.testing.anthropic import MessagesApi
 from batchrun.testing.answers import Answer, default_key_fn, messages_key
 from batchrun.testing.api import Api, spoil_frame
-from batchrun.testing.batch_service import BatchService
 from batchrun.testing.faults import BatchFaults, Faults, RequestWindow, content_fault, fate
 from batchrun.testing.openai import ChatApi, ResponsesApi
 from batchrun.testing.request_log import RequestRecord, new_record
+if TYPE_CHECKING:
+    from batchrun.testing.batch_service import BatchService
 from batchrun.testing.wire import (
     MAX_HEADER_BYTES,
     BadRequest,
@@ -45,8 +46,14 @@ _ROUTES: dict[str, Api] = {
 
 
 class FakeProviderServer:
-    """Fault-injecting Chat Completions, Responses and Messages server on 127.0.0.1, running in
-    its own thread and event loop."""
+    """Fault-injecting Chat Completions, Responses and Messages server on 127.0.0.1, with their
+    batch APIs (OpenAI Files + Batch, Anthropic Message Batches), running in its own thread and
+    event loop.
+
+    ``batch_faults`` sets the batch APIs' timing and faults (:class:`BatchFaults`);
+    ``batch_state_dir`` keeps their files, batches and progress on disk, so that a server
+    started again on the same directory (and port) carries on where the last one stopped.
+    """
 
     def __init__(
         self,
@@ -66,7 +73,19 @@ class FakeProviderServer:
         self.port: int = port
         self.api_key: str | None = api_key  # required credential when set; may change while running
         self._requested_port = port
-        self._key_fn = key_fn if key_fn is not None else default_key_fn
+        # The key function of each API's requests, and of an unknown route's. By default only
+        # Responses keys on "input": an embeddings-like body sent to an unknown path is not a
+        # Responses request.
+        self._keyers: dict[str, Callable[[dict[str, Any]], str | None]] = {
+            api.name: key_fn if key_fn is not None else (
+                default_key_fn if api is _RESPONSES else messages_key)
+            for api in (_CHAT, _RESPONSES, _MESSAGES)}
+        self._other_keyer = key_fn if key_fn is not None else messages_key
+        # what read_request looks up: each route's API and key function
+        self._routes: dict[str, tuple[Api, Callable[[dict[str, Any]], str | None]]] = {
+            path: (api, self._keyers[api.name]) for path, api in _ROUTES.items()}
+        self._no_route: tuple[None, Callable[[dict[str, Any]], str | None]] = (
+            None, self._other_keyer)
         self._log_path = os.fspath(log_path) if log_path is not None else None
         self._lock = threading.Lock()
         self._log: list[RequestRecord] = []
@@ -85,10 +104,8 @@ class FakeProviderServer:
         self._log_file: IO[bytes] | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._closing = False
-        # through a proxy: a cycle server <-> batches would keep every stopped server (and its
-        # state) alive until a full garbage collection, which then stalls whatever runs next
-        me = weakref.proxy(self)
-        self._batches = BatchService(me, batch_state_dir, lambda: me.anthropic_base_url)
+        self._batch_state_dir = batch_state_dir
+        self._batches: BatchService | None = None  # made when first needed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -108,7 +125,8 @@ class FakeProviderServer:
             return self
         self._closing = False
         self._startup_error = None
-        self._restore(self._batches.open())
+        if self._batch_state_dir is not None:
+            self._restore(self._batch_service().open())
         if self._log_path is not None:
             self._log_file = open(self._log_path, "ab")  # noqa: SIM115 - closed in stop()
         ready = threading.Event()
@@ -181,7 +199,8 @@ class FakeProviderServer:
             return
         self.port = server.sockets[0].getsockname()[1]
         self._t0 = time.monotonic()
-        self._batches.attach()
+        if self._batches is not None:
+            self._batches.attach()
         ready.set()
         await stop_event.wait()
 
@@ -232,7 +251,9 @@ class FakeProviderServer:
 
     def batch_calls(self) -> collections.Counter[str]:
         """How many HTTP calls each batch route got, keyed ``"METHOD /v1/batches/{id}"``."""
-        return collections.Counter(self._batches.calls)
+        batches = self._batches
+        # dict.copy: one step under the GIL, while the server's loop may be counting
+        return collections.Counter(dict.copy(batches.calls) if batches is not None else {})
 
     def reset_log(self) -> None:
         """Forget the log and the per-key counters (``seq`` keeps counting)."""
@@ -246,6 +267,17 @@ class FakeProviderServer:
         """The parsed request bodies, in log order (only with ``record_bodies=True``)."""
         with self._lock:
             return list(self._bodies)
+
+    def _batch_service(self) -> BatchService:
+        """The batch APIs, loaded on first use: a server used online only never imports them."""
+        if self._batches is None:
+            from batchrun.testing.batch_service import BatchService
+
+            # through a proxy: a cycle server <-> batches would keep every stopped server (and
+            # its state) alive until a full garbage collection, which then stalls what runs next
+            me = weakref.proxy(self)
+            self._batches = BatchService(me, self._batch_state_dir, lambda: me.anthropic_base_url)
+        return self._batches
 
     def _restore(self, records: list[RequestRecord]) -> None:
         """Put the batch lines answered before a restart back in the log (not in the log file:
@@ -273,13 +305,7 @@ class FakeProviderServer:
     def key_for(self, api: Api | None, body: dict[str, Any]) -> str | None:
         """The log key of a request body sent to ``api``."""
         try:
-            if self._key_fn is default_key_fn:
-                # Only the Responses route keys on "input": an embeddings-like body sent to
-                # an unknown path is not a Responses request.
-                if api is not None and api.name == "responses":
-                    return default_key_fn(body)
-                return messages_key(body)
-            return self._key_fn(body)
+            return self._keyers.get(api.name if api is not None else "", self._other_keyer)(body)
         except Exception:
             return None
 
@@ -322,7 +348,7 @@ class FakeProviderServer:
     async def _handle_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Serve one request; returns whether the connection stays open."""
         try:
-            req = await read_request(reader, writer)
+            req = await read_request(reader, writer, self._routes)
         except BadRequest as exc:
             body = _CHAT.error_body(400, f"Bad request: {exc}.", b"bad_request")
             writer.write(response_head(400, len(body), b"bad_request", False) + body)
@@ -332,8 +358,8 @@ class FakeProviderServer:
             return False
         if req.__class__ is StreamedRequest:  # a batch route: its handler reads the body
             assert isinstance(req, StreamedRequest)
-            return await self._batches.serve(req, reader, writer)
-        method, path, raw, keep, headers = req  # type: ignore[misc]
+            return await self._batch_service().serve(req, reader, writer)
+        method, path, raw, keep, headers, route = req  # type: ignore[misc]
 
         if method == "GET" and path == "/health":
             writer.write(response_head(200, len(_HEALTH_BODY), b"health", keep) + _HEALTH_BODY)
@@ -347,8 +373,13 @@ class FakeProviderServer:
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 obj = None
-        api = _ROUTES.get(path)
-        key = self.key_for(api, obj) if isinstance(obj, dict) else None
+        api, keyer = route if route is not None else self._no_route
+        key: str | None = None
+        if isinstance(obj, dict):
+            try:
+                key = keyer(obj)
+            except Exception:
+                key = None
         seq = self._seq
         self._seq = seq + 1
         if key is not None:
@@ -402,7 +433,7 @@ class FakeProviderServer:
         def record(outcome: str, status: int | None, completion_tokens: int = 0, fault: str | None = None) -> None:
             self._record(new_record(
                 seq, received_at, time.time(), method, path, key, outcome, status,
-                prompt_tokens, completion_tokens, fault, shape.name, stream, None, None,
+                prompt_tokens, completion_tokens, fault, shape.name, stream,
             ), obj)
 
         # Records are appended just *before* the bytes go out, so a client that has seen

@@ -13,7 +13,9 @@ import socket
 import struct
 from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
+
+_R = TypeVar("_R")
 
 MAX_HEADER_BYTES = 64 * 1024
 _MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -99,10 +101,14 @@ def sse_head(req_id: bytes, keep: bool, extra: bytes, rid: bytes) -> bytes:
 
 
 async def read_request(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> tuple[str, str, bytes, bool, Headers] | StreamedRequest | None:
-    """Read one request: (method, path, body, keep_alive, headers), a :class:`StreamedRequest`
-    for a batch route, or None at EOF."""
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, routes: dict[str, _R]
+) -> tuple[str, str, bytes, bool, Headers, _R | None] | StreamedRequest | None:
+    """Read one request: (method, path, body, keep_alive, headers, ``routes[path]`` or None), a
+    :class:`StreamedRequest` for a batch route, or None at EOF.
+
+    The route is looked up here, before the body is read: a path that is no route of
+    ``routes`` may be a batch route, whose handler reads the body itself; the online routes
+    pay nothing for that check."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError:
@@ -112,7 +118,7 @@ async def read_request(
     if head[0] in b"\r\n":  # tolerate stray CRLFs between pipelined requests
         head = head.lstrip(b"\r\n")
         if not head:
-            return await read_request(reader, writer)
+            return await read_request(reader, writer, routes)
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ")
     if len(parts) != 3:
@@ -161,7 +167,9 @@ async def read_request(
         raise BadRequest("unsupported HTTP version")
     # tuple.__new__: a NamedTuple's own __new__ costs a Python call per request
     headers = tuple.__new__(Headers, (authorization, x_api_key, anthropic_version))
-    if target.startswith(_STREAMED_PREFIXES):
+    path = target.split(b"?", 1)[0].decode("latin-1")
+    route = routes.get(path)
+    if route is None and target.startswith(_STREAMED_PREFIXES):
         if expect and (chunked or length):
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return StreamedRequest(method_b.decode("latin-1"), target.decode("latin-1"), keep,
@@ -176,8 +184,7 @@ async def read_request(
         body = await reader.readexactly(length)
     else:
         body = b""
-    path = target.split(b"?", 1)[0].decode("latin-1")
-    return method_b.decode("latin-1"), path, body, keep, headers
+    return method_b.decode("latin-1"), path, body, keep, headers, route
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:

@@ -393,3 +393,14 @@ def test_create_refusals_and_unknown_ids() -> None:
         assert client.post("/batches/batch_nope/cancel").status_code == 404
         assert client.put("/batches").status_code == 404
         assert client.get("/files/x/y/z").status_code == 404
+
+
+def test_cancel_while_validating_ends_with_no_lines() -> None:
+    with serving(BatchFaults(turnaround_s=2.0, validating_s=1.0, cancel_s=0.1)) as (server, client, _):
+        created = create_batch(client, [chat_line(f"r{i}") for i in range(5)])
+        assert client.post(f"/batches/{created['id']}/cancel").json()["status"] == "cancelling"
+        batch = wait_openai(client, created["id"])
+        assert batch["status"] == "cancelled" and batch["in_progress_at"] is None
+        assert batch["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+        assert batch["output_file_id"] is None and batch["error_file_id"] is None
+        assert server.billed_by_key() == Counter()

@@ -182,11 +182,16 @@ def test_online_routes_keep_their_behaviour_while_batches_run() -> None:
         assert server.batch_calls()["GET /v1/batches/{id}"] >= 1
 
 
-def test_a_server_used_online_only_makes_no_batch_state() -> None:
-    with FakeProviderServer() as server:
-        httpx.post(f"{server.base_url}/chat/completions", json={"model": "m", "messages": []})
-        assert server.batch_calls() == Counter()
-        assert server._batches._worker is None  # noqa: SLF001 - nothing opened, no task
+def test_a_server_used_online_only_never_loads_the_batch_apis() -> None:
+    code = ("import sys, httpx\nfrom batchrun.testing import FakeProviderServer\n"
+            "with FakeProviderServer() as s:\n"
+            "    r = httpx.post(s.base_url + '/chat/completions', json={'model': 'm', 'messages': []})\n"
+            "    print(r.status_code, s.batch_calls(), 'batchrun.testing.batch_service' in sys.modules)\n"
+            "    httpx.get(s.base_url + '/batches')\n"
+            "    print('batchrun.testing.batch_service' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO_ROOT).stdout.split("\n")
+    assert out[:2] == ["200 Counter() False", "True"]
 
 
 def test_cli_serve_batch_flags_and_a_restart(tmp_path: Path) -> None:
@@ -228,3 +233,26 @@ def test_cli_serve_batch_flags_and_a_restart(tmp_path: Path) -> None:
             assert wait_openai(client, failed[0]["id"])["errors"]["data"][0]["code"] == "too_many_tasks"
     finally:
         stop(proc)
+
+
+def test_a_kill_while_ending_writes_the_same_files_again(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    faults = BatchFaults(turnaround_s=0.4, p_line_500=0.5, seed=1)
+    with FakeProviderServer(batch_faults=faults, batch_state_dir=state) as server, \
+            httpx.Client(base_url=server.base_url, timeout=10) as client:
+        file_id = upload(client, jsonl([chat_line(f"r{i}") for i in range(10)]))
+        batch = wait_openai(client, client.post("/batches", json={"input_file_id": file_id, **CREATE}).json()["id"])
+        out, err = content(client, batch["output_file_id"]), content(client, batch["error_file_id"])
+    path = state / "batches" / batch["id"] / "batch.json"
+    record = orjson.loads(path.read_bytes())
+    record.update(status="finalizing", completed_at=None)  # as if killed before saving the end
+    path.write_bytes(orjson.dumps(record))
+    with FakeProviderServer(batch_faults=faults, batch_state_dir=state) as server, \
+            httpx.Client(base_url=server.base_url, timeout=10) as client:
+        again = wait_openai(client, batch["id"])
+        assert (again["output_file_id"], again["error_file_id"]) == (batch["output_file_id"], batch["error_file_id"])
+        assert sorted(map(str, content(client, again["output_file_id"]))) == sorted(map(str, out))
+        assert len(content(client, again["error_file_id"])) == len(err)
+        outputs = client.get("/files", params={"purpose": "batch_output"}).json()["data"]
+        assert len(outputs) == 2
+        assert server.billed_by_key() == Counter(line["custom_id"] for line in out)
