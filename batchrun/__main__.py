@@ -17,7 +17,10 @@ def main() -> None:
     eventloop.command_startup()
     from batchrun.cli import main as cli
 
-    cli()
+    try:
+        cli()
+    finally:
+        interrupt.ended()
 
 
 if __name__ == "__main__":

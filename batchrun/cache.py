@@ -16,7 +16,7 @@ Left out on purpose:
   with different keys share answers);
 - ``stream`` and ``stream_options``: a streamed answer is stored as the body
   the same request would have had without streaming, so streaming on or off
-  asks the same question;
+  asks the same question; ``service_tier`` likewise (flex or not, the same question);
 - re-asks: an item's answer is filed under its first request even when it
   took a re-ask to get a valid one, because that request is what the next job
   will send first.
@@ -35,11 +35,12 @@ import orjson
 from batchrun.provider_registry import provider_entry
 
 if TYPE_CHECKING:  # the ledger imports this module; status and export must not load the HTTP stack
-    from batchrun.providers.base import PreparedRequest
+    from batchrun.providers.base import PreparedRequest, Provider
     from batchrun.spec import ProviderSpec
+    from batchrun.validate import OutputValidator
 
 KEY_LENGTH = 64  # hex SHA-256, the width of items.request_hash
-STREAM_FIELDS = ("stream", "stream_options")  # how the answer travels, not what is asked
+DELIVERY_FIELDS = ("stream", "stream_options", "service_tier")  # how the answer travels, not what is asked
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def request_key(scope: str, request: PreparedRequest) -> str:
     """
     body = orjson.loads(request.content)
     if isinstance(body, dict):
-        for name in STREAM_FIELDS:
+        for name in DELIVERY_FIELDS:
             body.pop(name, None)
     digest = hashlib.sha256(scope.encode())
     digest.update(b"\n")
@@ -82,3 +83,32 @@ def request_key(scope: str, request: PreparedRequest) -> str:
     digest.update(b"\n")
     digest.update(orjson.dumps(body, option=orjson.OPT_SORT_KEYS))
     return digest.hexdigest()
+
+
+def reusable(answer: CachedAnswer, validator: OutputValidator | None, provider: Provider) -> tuple[bool, str | None]:
+    """Whether a stored answer can finish an item of this job, and the parsed JSON it finishes it with.
+
+    A structured job checks the answer with its own validator (and parses it afresh);
+    a job without a schema takes any answer with text, or a body its provider reads as
+    an answer (a tool call: filed before the provider told those apart).
+    """
+    if validator is not None:
+        from batchrun.errors import OutputInvalidError
+
+        try:
+            return True, orjson.dumps(validator.check(answer.output).parsed).decode()
+        except OutputInvalidError:
+            return False, None
+    if answer.output is not None:
+        return True, answer.parsed
+    if answer.response is None:
+        return False, None
+    import httpx
+
+    from batchrun.errors import ProviderError
+
+    try:
+        provider.parse(answer.status_code or 200, httpx.Headers(), answer.response.encode(), latency_ms=0.0)
+    except ProviderError:
+        return False, None
+    return True, answer.parsed

@@ -23,10 +23,11 @@ from batchrun.export import FORMATS, export_job
 from batchrun.ledger import RETRY_FILTERS, Ledger, database_error_line, default_db_path, is_database_error
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
-from batchrun.spec import Overrides, load_spec, spec_for_batch_input
-from batchrun.states import USER_RETRYABLE_STATES, ExitCode
+from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
+from batchrun.states import OPEN_STATES, USER_RETRYABLE_STATES, ExitCode
 
 if TYPE_CHECKING:
+    from batchrun.batch import BatchOptions
     from batchrun.jobs import DryRun, PreparedJob
     from batchrun.submission import OnStart, SubmitResult
 
@@ -112,6 +113,30 @@ def override_options(fn: F) -> F:
     ):
         fn = option(fn)
     return fn
+
+
+def mode_options(fn: F) -> F:
+    """Batch mode's flags, on submit and resume."""
+    fn = click.option(
+        "--wait/--no-wait", "wait", default=None,
+        help="Batch mode: wait for the provider's batches to end (default on a terminal), or exit 75 once "
+        "everything is at the provider; a later `batchrun resume JOB` collects it.",
+    )(fn)
+    return click.option(
+        "--mode", type=click.Choice(MODES), default=None,
+        help="online: one request per attempt; batch: through the provider's batch API at the batch price "
+        "(overrides [run] mode; a job may switch on resume).",
+    )(fn)
+
+
+def _batch_options(command: str, wait: bool | None, quiet: bool) -> BatchOptions:
+    """How a batch-mode run of this command behaves: wait on a terminal (or as told); its events on stderr."""
+    from batchrun.batch import BatchOptions
+
+    return BatchOptions(
+        command=command, wait=sys.stderr.isatty() if wait is None else wait,
+        on_event=None if quiet else lambda message: click.echo(f"batchrun: {message}", err=True),
+    )
 
 
 def _overrides(kw: dict[str, Any]) -> Overrides:
@@ -257,10 +282,11 @@ def _show_result(result: SubmitResult, *, as_json: bool) -> None:
               help="Only store the job and its items (exit 0); `batchrun worker` processes work it.")
 @db_option
 @override_options
+@mode_options
 @handle_errors
 def submit(spec: str | None, input_path: str, output: str | None, fmt: str, errors: str | None, force: bool,
            new: bool, strict: bool, as_json: bool, dry_run: bool, no_run: bool, db: str | None, quiet: bool, transport: str,
-           **kw: Any) -> None:
+           wait: bool | None, **kw: Any) -> None:
     """Submit INPUT under job SPEC and work it to the end.
 
     The same SPEC and input content find the existing job and carry it on
@@ -300,6 +326,7 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
         result = submit_job(
             ledger, job_spec, input_path, output=output, fmt=fmt, errors=errors, force=force, new=new, strict=strict,
             run=not no_run, overrides=overrides, options=RunOptions(command="submit", transport=transport),
+            batch=_batch_options("submit", wait, quiet or as_json),
             handle_signals=True, on_prepared=None if as_json else _show_prepared(input_path),
             on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
         )
@@ -344,6 +371,11 @@ def _show_dry_run(report: DryRun, *, as_json: bool) -> None:
         f"  cost      {usd(report.cost_min)} (prompts only) to {usd(report.cost_max)} (every answer at its limit), "
         f"at {rate}"
     )
+    if report.mode == "batch":
+        click.echo(
+            f"  batch     {usd(report.batch_min_usd)} to {usd(report.batch_max_usd)} through the provider's batch API "
+            "([run] mode = \"batch\": the batch price, answers within 24 h)"
+        )
     if report.budget_usd > 0:
         verdict = (
             "the whole input fits even at the maximum" if report.cost_max <= report.budget_usd
@@ -361,9 +393,10 @@ def _show_dry_run(report: DryRun, *, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
 @db_option
 @override_options
+@mode_options
 @handle_errors
 def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bool, as_json: bool,
-           db: str | None, quiet: bool, transport: str, **kw: Any) -> None:
+           db: str | None, quiet: bool, transport: str, wait: bool | None, **kw: Any) -> None:
     """Carry on JOB: pending items and those a dead run left running. Finished items are never sent again.
 
     \b
@@ -379,6 +412,7 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
         result = resume_job(
             ledger, job, output=output, fmt=fmt, errors=errors, force=force, overrides=_overrides(kw),
             options=RunOptions(command="resume", transport=transport), handle_signals=True,
+            batch=_batch_options("resume", wait, quiet or as_json),
             on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
         )
     _show_result(result, as_json=as_json)
@@ -515,7 +549,7 @@ def list_jobs(as_json: bool, db: str | None) -> None:
     for job in listed:
         c = job.counts
         click.echo(
-            f"{job.job_id:>5}  {job.total:>8} items  succeeded {c['succeeded']}  pending {c['pending'] + c['running']}"
+            f"{job.job_id:>5}  {job.total:>8} items  succeeded {c['succeeded']}  pending {sum(c[s] for s in OPEN_STATES)}"
             f"  failed {c['failed'] + c['invalid_output']}  rejected {c['rejected']}  {job.name or job.input_path}"
         )
 
@@ -636,11 +670,32 @@ def revalidate(job: int, schema_path: str | None, as_json: bool, db: str | None)
 @db_option
 @handle_errors
 def cancel(job: int, db: str | None) -> None:
-    """Cancel JOB's pending and running items (finished ones are kept)."""
+    """Cancel JOB's pending and running items (finished ones are kept).
+
+    In batch mode the job's live provider batches are cancelled at the provider too:
+    what they finished is kept (the next `batchrun resume JOB` collects it), the rest
+    becomes cancelled.
+    """
+    from batchrun.ledger.shards import ShardLedger
+
     with _open(db) as ledger:
-        ledger.get_job(job)
+        record = ledger.get_job(job)
         n = ledger.cancel(job)
+        shards = None
+        if ShardLedger(ledger).shards(job, open_only=True):
+            from batchrun.batch import cancel_shards
+
+            shards = run_sync(cancel_shards(ledger, record))
     click.echo(f"{n} items of job {job} cancelled")
+    if shards is None:
+        return
+    if shards.shards:
+        click.echo(
+            f"batchrun: {shards.shards} provider batches ({shards.items} items) cancelled at the provider; what they "
+            f"finished is kept: collect it with `batchrun resume {job}`", err=True,
+        )
+    for problem in shards.problems:
+        click.echo(f"batchrun: could not cancel {problem}; the next run cancels it", err=True)
 
 
 @main.command()
@@ -749,9 +804,11 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
 @main.command()
 @click.option("--job", "example", type=click.Choice(["summarize", "triage"]), default="summarize", show_default=True,
               help="Which bundled example: review summaries, or ticket triage with a JSON Schema.")
+@click.option("--mode", type=click.Choice(MODES), default="online", show_default=True,
+              help="batch: through the fake server's batch API (the turnaround scaled to seconds).")
 @db_option
 @handle_errors
-def demo(example: str, db: str | None) -> None:
+def demo(example: str, mode: str, db: str | None) -> None:
     """Run the bundled example job against a local fake endpoint (nothing leaves this machine).
 
     Starts an OpenAI-compatible server on 127.0.0.1 with some latency and
@@ -759,17 +816,19 @@ def demo(example: str, db: str | None) -> None:
     prose-wrapped, truncated and schema-violating answers), runs
     jobs/summarize.toml (or jobs/triage.toml) over its example input with the
     default SQLite ledger (or --db), shows progress and prints where the output is.
+    With --mode batch the job goes through the fake server's batch API instead
+    (a batch ends in seconds; a 5xx on create after creating, busy polls).
     """
     from batchrun.demo import demo_server, prepare_demo
     from batchrun.scheduler import RunOptions
     from batchrun.submission import resume as resume_job
 
     with _open(db) as ledger, demo_server() as server:
-        job_id, output = prepare_demo(ledger, server.base_url, example)
+        job_id, output = prepare_demo(ledger, server.base_url, example, mode)
         click.echo(str(job_id))
         click.echo(f"batchrun: demo endpoint {server.base_url}, ledger {ledger.url}", err=True)
         result = resume_job(ledger, job_id, output=output, options=RunOptions(command="demo"), handle_signals=True,
-                            on_start=_progress(quiet=False))
+                            batch=_batch_options("demo", True, False), on_start=_progress(quiet=False))
         if result.error is not None:
             _fail(result.error)
         if result.export:

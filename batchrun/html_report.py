@@ -17,6 +17,7 @@ from batchrun.report import (
     MEASURES,
     NONE,
     PERCENTILES,
+    batch_table,
     fmt_money,
     fmt_ms,
     fmt_pct,
@@ -238,6 +239,15 @@ def render_html(data: dict[str, Any]) -> str:
         return f"<table>{head}{_rows(rows)}</table>{note}"
 
     attempts = [[("n", e(n)), ("n", f"{items:,}")] for n, items in data["attempts_histogram"].items() if items]
+    batches = batch_table(data.get("batch"))
+    batch_section = ""
+    if batches is not None:
+        columns, rows, caption = batches
+        cells = [[("n" if i in (0, 4, 5) else "", e(v)) for i, v in enumerate(row)] for row in rows]
+        batch_section = (
+            f"<h2>Provider batches (batch mode)</h2>\n<table>{_head(*columns, numeric=(0, 4, 5))}{_rows(cells)}</table>"
+            f'\n<p class="note">{e(caption)}</p>\n'
+        )
     generated = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["as_of"]))
     return f"""<!DOCTYPE html>
 <html lang="en">
@@ -272,7 +282,7 @@ HTTP or output error); queue wait covers every request, from when the item was r
 {error_table("status", data["errors_by_status"])}
 <h2>Requests per item</h2>
 <table class="narrow">{_head("requests", "items", numeric=(0, 1))}{_rows(attempts)}</table>
-<footer>batchrun report of job {data['job_id']} · ledger figures as of {e(generated)}</footer>
+{batch_section}<footer>batchrun report of job {data['job_id']} · ledger figures as of {e(generated)}</footer>
 </body>
 </html>
 """

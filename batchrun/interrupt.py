@@ -86,6 +86,17 @@ def release() -> None:
         signal.raise_signal(_seen[0])
 
 
+def ended() -> None:
+    """The command is over and its exit code decided: SIGINT/SIGTERM are ignored from here on.
+
+    The interpreter's teardown puts the default handlers back for every signal with a
+    Python handler (not for an ignored one), so a signal in that last moment would end
+    the process by the signal (exit -2, -15) instead of the code it had decided.
+    """
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def note(signum: int) -> int:
     """Count a signal (from any handler); the second one exits 75 at once. Returns the count."""
     _seen.append(signum)

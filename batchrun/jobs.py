@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -14,6 +15,7 @@ import orjson
 
 from batchrun import interrupt
 from batchrun import tokens as token_count
+from batchrun.batch import BatchOptions, BatchResult, BatchRunner
 from batchrun.budget import budget_price, unbounded_answers
 from batchrun.errors import (
     InputError,
@@ -24,12 +26,13 @@ from batchrun.errors import (
 )
 from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
 from batchrun.ledger import JobRecord, Ledger, LedgerQueries, ride_out
+from batchrun.ledger.shards import ShardLedger
 from batchrun.pricing import Price, price_for
 from batchrun.providers import provider_for
 from batchrun.providers.http import Sender
 from batchrun.scheduler import JobRunner, RunOptions, RunResult
-from batchrun.spec import JobSpec, Overrides
-from batchrun.states import ExitCode, ItemState, exit_code_for, no_counts
+from batchrun.spec import BATCH_DISCOUNT, JobSpec, Overrides
+from batchrun.states import ExitCode, ItemState, StopReason, exit_code_for, no_counts
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,9 @@ class RunSummary:
     job_id: int
     exit_code: int
     counts: dict[str, int]
-    result: RunResult
+    result: RunResult | BatchResult
+    at_provider: int = 0  # batch mode: items left in provider batches (a later run collects them)
+    go_online: bool = False  # batch mode past its deadline: what is left goes online
 
 
 def prepare_job(
@@ -117,6 +122,9 @@ class DryRun:
     max_usd: float = 0.0  # every prompt, every answer at its limit
     unpriced: int = 0  # requests whose model has no known price
     unpriced_models: set[str] = field(default_factory=set)
+    mode: str = "online"  # [run] mode: batch quotes the batch price beside the online one
+    batch_min_usd: float = 0.0  # the same requests through the provider's batch API
+    batch_max_usd: float = 0.0
 
     @property
     def cost_min(self) -> float | None:
@@ -159,6 +167,8 @@ class DryRun:
             "unpriced": {"requests": self.unpriced, "models": sorted(self.unpriced_models)} if self.unpriced else None,
             "budget_usd": self.budget_usd or None,
             "unbounded_answers": self.unbounded_answers,
+            "mode": self.mode,
+            "batch_cost_usd": None if self.unpriced else {"min": self.batch_min_usd, "max": self.batch_max_usd},
         }
 
 
@@ -181,7 +191,9 @@ def dry_run(spec: JobSpec, input_path: str | os.PathLike[str], *, strict: bool =
         price=spec.price(),
         budget_usd=spec.run.budget_usd,
         unbounded_answers=unbounded_answers(spec),
+        mode=spec.run.mode,
     )
+    batch_price = spec.batch_price()
     listed: dict[str, Price | None] = {}
     waited: set[str] = set()
 
@@ -197,7 +209,7 @@ def dry_run(spec: JobSpec, input_path: str | os.PathLike[str], *, strict: bool =
         report.prompt_tokens += prompt
         report.prompt_counted += tokens.counted
         report.max_output_tokens += answer
-        price = report.price
+        price, at_batch = report.price, batch_price
         if price is None:
             if model not in listed:
                 listed[model] = price_for(model)
@@ -207,8 +219,12 @@ def dry_run(spec: JobSpec, input_path: str | os.PathLike[str], *, strict: bool =
                 if len(report.unpriced_models) < 5:
                     report.unpriced_models.add(model)
                 return
+            at_batch = price.scaled(BATCH_DISCOUNT)
         report.min_usd += price.cost(prompt, 0)
         report.max_usd += price.cost(prompt, answer)
+        if at_batch is not None:
+            report.batch_min_usd += at_batch.cost(prompt, 0)
+            report.batch_max_usd += at_batch.cost(prompt, answer)
 
     checked = check_input(path, builder, on_item=estimate)
     if strict and checked.rejected:
@@ -289,17 +305,44 @@ async def run_job(
     overrides: Overrides | None = None,
     options: RunOptions | None = None,
     sender: Sender | None = None,
-    on_start: Callable[[JobRunner], None] | None = None,
+    on_start: Callable[[JobRunner | BatchRunner], None] | None = None,
     handle_signals: bool = False,
+    batch: BatchOptions | None = None,
 ) -> RunSummary:
     """Work a job until it is finished or stopped; the run's end is recorded with its exit code.
 
-    ``on_start`` gets the runner before work begins (to show progress, or to stop
-    it with :meth:`JobRunner.request_stop`). With ``handle_signals``, SIGINT/SIGTERM
-    stop the run for its duration (:func:`batchrun.interrupt.stop_on_signals`).
+    ``on_start`` gets each runner before work begins (to show progress, or to stop
+    it with its ``request_stop``). With ``handle_signals``, SIGINT/SIGTERM stop the
+    run for its duration (:func:`batchrun.interrupt.stop_on_signals`). A job in
+    batch mode (``[run] mode``) goes through the provider's batch API
+    (:class:`~batchrun.batch.BatchRunner`; ``batch`` says how, e.g. whether to wait
+    for it), and online once its ``[batch] deadline`` has passed. An online job collects what an earlier batch-mode run left at the
+    provider once its own work is done.
     """
     job = ledger.get_job(job_id)
     spec = effective_spec(job, overrides)
+    batch = batch or BatchOptions(command=(options or RunOptions()).command)
+    if spec.run.mode == "batch":
+        summary = await _run_batch(ledger, job, spec, batch, on_start, handle_signals)
+        if not summary.go_online or summary.result.stop_reason is not None:
+            return summary
+        spec = dataclasses.replace(spec, run=dataclasses.replace(spec.run, mode="online"))
+    summary = await _run_online(ledger, job, spec, options, sender, on_start, handle_signals)
+    if summary.result.stop_reason is None and ShardLedger(ledger).shards(job_id, open_only=True):
+        collect = dataclasses.replace(batch, create=False)
+        return await _run_batch(ledger, job, spec, collect, on_start, handle_signals)
+    return summary
+
+
+async def _run_online(
+    ledger: Ledger,
+    job: JobRecord,
+    spec: JobSpec,
+    options: RunOptions | None,
+    sender: Sender | None,
+    on_start: Callable[[JobRunner | BatchRunner], None] | None,
+    handle_signals: bool,
+) -> RunSummary:
     provider = provider_for(spec)
     runner = JobRunner(ledger, job, spec, provider, options, sender=sender)
     if runner.admission.spend is not None and unbounded_answers(spec):
@@ -309,16 +352,42 @@ async def run_job(
         )
     if on_start:
         on_start(runner)
-    signals = (
-        interrupt.stop_on_signals(runner, lambda: runner.spec.run.grace_seconds)
-        if handle_signals
-        else contextlib.nullcontext()
-    )
-    with signals:
+    with _signals(runner, handle_signals):
         result = await runner.run()
+    return _ended(ledger, job.id, result.run_id, result.stop_reason, result)
+
+
+async def _run_batch(
+    ledger: Ledger,
+    job: JobRecord,
+    spec: JobSpec,
+    options: BatchOptions,
+    on_start: Callable[[JobRunner | BatchRunner], None] | None,
+    handle_signals: bool,
+) -> RunSummary:
+    runner = BatchRunner(ledger, job, spec, options)
+    if on_start:
+        on_start(runner)
+    with _signals(runner, handle_signals):
+        result = await runner.run()
+    summary = _ended(ledger, job.id, result.run_id, result.stop_reason, result)
+    return dataclasses.replace(summary, at_provider=result.at_provider, go_online=result.go_online)
+
+
+def _signals(runner: JobRunner | BatchRunner, handle: bool) -> contextlib.AbstractContextManager[None]:
+    """SIGINT/SIGTERM stop ``runner`` for the block, when asked to handle them."""
+    if not handle:
+        return contextlib.nullcontext()
+    return interrupt.stop_on_signals(runner, lambda: runner.spec.run.grace_seconds)
+
+
+def _ended(
+    ledger: Ledger, job_id: int, run_id: str, stop_reason: StopReason | None, result: RunResult | BatchResult
+) -> RunSummary:
+    """A run's end: its exit code from the job's counts, recorded."""
     counts = LedgerQueries(ledger.engine).counts(job_id)
-    code = exit_code_for(counts, result.stop_reason, ingest_done=ledger.get_job(job_id).ingest_done)
-    ledger.end_run(job_id, result.run_id, code)
+    code = exit_code_for(counts, stop_reason, ingest_done=ledger.get_job(job_id).ingest_done)
+    ledger.end_run(job_id, run_id, code)
     return RunSummary(job_id, code, counts, result)
 
 

@@ -13,6 +13,13 @@ class Price:
     output: float
     cached_input: float | None = None
 
+    def scaled(self, factor: float) -> Price:
+        """Every rate times ``factor`` (the batch discount)."""
+        return Price(
+            self.input * factor, self.output * factor,
+            None if self.cached_input is None else self.cached_input * factor,
+        )
+
     def cost(self, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> float:
         """USD for one attempt; cached input tokens are billed at the cached rate when there is one."""
         cached = min(cached_tokens, input_tokens) if self.cached_input is not None else 0

@@ -39,12 +39,24 @@ class ProviderEntry:
     # settings that change the answer's shape for the same request body.
     cache_scope: tuple[tuple[str, str], ...] = ()
     converts_openai_input: bool = False  # [provider] convert_openai_input applies to it
+    batch_api: str = ""  # "module:Class" of its batch API (batch mode), built as Class(provider, ...); "": none
+    batch_results_days: float = 0.0  # how long the provider keeps an ended batch's results
 
     def load(self) -> Callable[..., Any]:
         """The provider's class (its module is imported now)."""
-        module, _, name = self.provider.partition(":")
-        factory: Callable[..., Any] = getattr(importlib.import_module(module), name)
-        return factory
+        return _load(self.provider)
+
+    def load_batch_api(self) -> Callable[..., Any]:
+        """The batch API's class; SpecError if the kind has none."""
+        if not self.batch_api:
+            raise SpecError(f"provider kind {self.kind!r} has no batch API: use [run] mode = \"online\"")
+        return _load(self.batch_api)
+
+
+def _load(target: str) -> Callable[..., Any]:
+    module, _, name = target.partition(":")
+    factory: Callable[..., Any] = getattr(importlib.import_module(module), name)
+    return factory
 
 
 ENTRIES: tuple[ProviderEntry, ...] = (
@@ -54,6 +66,8 @@ ENTRIES: tuple[ProviderEntry, ...] = (
         api_key_env="OPENAI_API_KEY",
         batch_format="openai-batch",
         max_tokens_params=("max_completion_tokens", "max_tokens"),
+        batch_api="batchrun.providers.openai_batch:OpenAIBatchApi",
+        batch_results_days=30.0,  # batch files expire after 30 days
     ),
     ProviderEntry(  # Responses
         kind="openai-responses",
@@ -61,6 +75,8 @@ ENTRIES: tuple[ProviderEntry, ...] = (
         api_key_env="OPENAI_API_KEY",
         batch_format="openai-batch",
         max_tokens_params=("max_output_tokens",),
+        batch_api="batchrun.providers.openai_batch:OpenAIBatchApi",
+        batch_results_days=30.0,
     ),
     ProviderEntry(  # Messages
         kind="anthropic",
@@ -70,6 +86,8 @@ ENTRIES: tuple[ProviderEntry, ...] = (
         max_tokens_params=("max_tokens",),
         cache_scope=(("anthropic-version", "anthropic_version"),),
         converts_openai_input=True,
+        batch_api="batchrun.providers.anthropic_batch:AnthropicBatchApi",
+        batch_results_days=29.0,  # results are kept 29 days after creation
     ),
 )
 

@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 from rich.console import Console, Group, RenderableType
@@ -30,7 +30,10 @@ from batchrun.errors import ExportError
 from batchrun.budget import budget_status
 from batchrun.export import write_atomic
 from batchrun.ledger import AttemptTotals, Distribution, ErrorGroup, Ledger, LedgerQueries
-from batchrun.states import FINISHED_STATES, ItemState
+from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState
+
+if TYPE_CHECKING:
+    from batchrun.ledger.shards import ShardRecord
 
 PERCENTILES = (50, 90, 99)
 # Attempt measures: total latency and TTFT of clean answers, queue wait of every request.
@@ -84,7 +87,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
     # throughput nor as items the cost and error rate are spread over.
     answered = counts[ItemState.SUCCEEDED] - cached
     throughput = answered / elapsed if elapsed else None
-    remaining = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
+    remaining = sum(counts[s] for s in OPEN_STATES)
     worked = answered + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
     histogram = {"0": total - sum(per_item.values())} | {str(n): per_item[n] for n in sorted(per_item)}
     dists = {m: queries.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
@@ -116,9 +119,54 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "errors_by_class": _groups(by_class),
         "errors_by_status": _groups(queries.errors_by_status(job_id)),
         "attempts_histogram": histogram,
+        "batch": batch_status(ledger, job_id),
         "as_of": time.time(),
     }
     return data, dists, totals
+
+
+def batch_status(ledger: Ledger, job_id: int) -> dict[str, Any] | None:
+    """Batch mode's part of ``status``: the job's shards, how its answers came, shard turnaround
+    (None for a job that never had a shard)."""
+    from batchrun.ledger.shards import ShardLedger
+
+    shards = ShardLedger(ledger)
+    rows = shards.shards(job_id)
+    if not rows:
+        return None
+    now = time.time()
+    turnaround = shards.turnarounds(rows[0].kind)
+    typical = turnaround[len(turnaround) // 2] if turnaround else None
+    listed = []
+    for shard in rows:
+        started = shard.provider_created_at or shard.created_at
+        eta = None
+        if shard.is_open and typical is not None:
+            eta = max(0.0, started + typical - now)
+        listed.append({
+            "shard": shard.id,
+            "batch_id": shard.batch_id,
+            "state": shard.state,
+            "provider_status": shard.provider_status,
+            "requests": shard.requests,
+            "counts": dict(shard.counts),
+            "age_s": now - shard.created_at,
+            "turnaround_s": (shard.ended_at - started) if shard.ended_at else None,
+            "eta_s": eta,
+            "expires_at": shard.expires_at,
+            "cancel_reason": shard.cancel_reason,
+            "error": shard.error,
+        })
+    return {
+        "shards": listed,
+        "warnings": retention_warnings(job_id, rows, now),
+        "at_provider": sum(s.requests for s in rows if s.is_open),
+        "answered": shards.answered_by_route(job_id),
+        "turnaround_s": {
+            f"p{p}": turnaround[min(len(turnaround) - 1, len(turnaround) * p // 100)] if turnaround else None
+            for p in PERCENTILES
+        },
+    }
 
 
 def nice_step(raw: float) -> float:
@@ -316,6 +364,57 @@ def status_lines(data: dict[str, Any]) -> list[str]:
             )
         )
     lines.append("  attempts  " + "  ".join(f"{n}x {items}" for n, items in data["attempts_histogram"].items() if items))
+    lines += batch_lines(data.get("batch"))
+    return lines
+
+
+RETENTION_WARNING_DAYS = 7.0  # warn this long before a provider drops uncollected results
+
+
+def retention_warnings(job_id: int, shards: Sequence[ShardRecord], now: float) -> list[str]:
+    """Uncollected shards whose results the provider will soon drop (OpenAI keeps batch files 30 days,
+    Anthropic results 29): what to run before they are gone."""
+    from batchrun.provider_registry import provider_entry
+
+    warnings = []
+    for shard in shards:
+        if not shard.is_open or shard.batch_id is None:
+            continue
+        keep = provider_entry(shard.kind).batch_results_days * 86400.0
+        since = shard.provider_created_at or shard.created_at
+        left = since + keep - now
+        if keep and left < RETENTION_WARNING_DAYS * 86400.0:
+            when = f"in {fmt_seconds(left)}" if left > 0 else "any time now (or already)"
+            warnings.append(
+                f"shard {shard.id} ({shard.batch_id}): the provider drops its results {when}; "
+                f"collect them with: batchrun resume {job_id}"
+            )
+    return warnings
+
+
+def batch_lines(batch: dict[str, Any] | None) -> list[str]:
+    """The shards of ``status``, a line each (the open ones; a count of the others)."""
+    if not batch:
+        return []
+    shards = batch["shards"]
+    open_ = [s for s in shards if s["state"] not in ("collected", "failed")]
+    answered = batch["answered"]
+    lines = [
+        f"  batches   {len(shards)} shards, {len(open_)} open, {batch['at_provider']} items at the provider; "
+        f"answered {answered['batch']} by batch, {answered['online']} online"
+    ]
+    for s in open_:
+        counts = " ".join(f"{k}={v}" for k, v in s["counts"].items() if v)
+        lines.append(
+            f"    shard {s['shard']}: {s['state']}"
+            + (f" ({s['provider_status']})" if s["provider_status"] else "")
+            + f" {s['requests']} requests" + (f" {counts}" if counts else "")
+            + (f" {s['batch_id']}" if s["batch_id"] else "")
+            + f", {fmt_seconds(s['age_s'])} old"
+            + (f", eta {fmt_seconds(s['eta_s'])}" if s["eta_s"] is not None else "")
+            + (f", cancel: {s['cancel_reason']}" if s["cancel_reason"] else "")
+        )
+    lines += [f"  warning   {w}" for w in batch.get("warnings", ())]
     return lines
 
 
@@ -410,7 +509,38 @@ def report_tables(data: dict[str, Any]) -> list[Table]:
         if items:
             attempts.add_row(n, f"{items:,}")
     tables.append(attempts)
+    batches = batch_table(data.get("batch"))
+    if batches is not None:
+        columns, rows, caption = batches
+        table = _table("Provider batches (batch mode)", *columns, right=(0, 4, 5))
+        for row in rows:
+            table.add_row(*row)
+        table.caption, table.caption_justify = caption, "left"
+        tables.append(table)
     return tables
+
+
+BATCH_COLUMNS = ("shard", "batch id", "state", "provider status", "requests", "turnaround")
+
+
+def batch_table(batch: dict[str, Any] | None) -> tuple[tuple[str, ...], list[tuple[str, ...]], str] | None:
+    """The shards of ``report`` (text and HTML alike): columns, a row per shard, and a caption with
+    the turnaround percentiles and how the job's answers came."""
+    if not batch:
+        return None
+    rows: list[tuple[str, ...]] = [
+        (str(s["shard"]), s["batch_id"] or NONE, s["state"] + (f" ({s['cancel_reason']})" if s["cancel_reason"] else ""),
+         s["provider_status"] or NONE, f"{s['requests']:,}", fmt_seconds(s["turnaround_s"]))
+        for s in batch["shards"]
+    ]
+    turnaround = batch["turnaround_s"]
+    answered = batch["answered"]
+    caption = (
+        "turnaround (created to ended) " + "  ".join(f"{k} {fmt_seconds(v)}" for k, v in turnaround.items())
+        + f"; answered {answered['batch']:,} by batch, {answered['online']:,} online"
+        + (f"; {batch['at_provider']:,} items at the provider now" if batch["at_provider"] else "")
+    )
+    return BATCH_COLUMNS, rows, caption
 
 
 def overview_rows(data: dict[str, Any]) -> list[tuple[str, str]]:

@@ -46,7 +46,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import httpx
 import orjson
 from sqlalchemy.exc import SQLAlchemyError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
@@ -54,7 +53,7 @@ from tenacity.wait import wait_base
 
 from batchrun.admission import Admission, NotAdmitted
 from batchrun.budget import SpendBudget, budget_price
-from batchrun.cache import CachedAnswer, cache_scope, request_key
+from batchrun.cache import CachedAnswer, cache_scope, request_key, reusable
 from batchrun.errors import (
     AuthError,
     BudgetExceededError,
@@ -703,13 +702,8 @@ class JobRunner:
         written: attempts are HTTP requests, and latency or TTFT figures must
         not count answers that were never asked for.
         """
-        parsed = answer.parsed
-        if self.validator is not None:
-            try:
-                parsed = orjson.dumps(self.validator.check(answer.output).parsed).decode()
-            except OutputInvalidError:
-                return False
-        elif answer.output is None and not self._is_answer(answer):
+        ok, parsed = reusable(answer, self.validator, self.provider)
+        if not ok:
             return False
         self.tenure.settle(work)
         self._outcomes.append(
@@ -736,22 +730,11 @@ class JobRunner:
         self._maybe_flush()
         return True
 
-    def _is_answer(self, answer: CachedAnswer) -> bool:
-        """Whether a stored answer without output text is one (a tool call) or a body with none
-        (filed as a success before the provider told them apart): re-read by the provider."""
-        if answer.response is None:
-            return False
-        try:
-            self.provider.parse(
-                answer.status_code or 200, httpx.Headers(), answer.response.encode(), latency_ms=0.0
-            )
-        except ProviderError:
-            return False
-        return True
-
     def _note_reask(self, work: _ItemWork) -> None:
-        """Commit a structured item's re-asks so far before it is asked again, so a kill does not pay for
-        them twice. The invalid answer keeps its slot until that is committed, like a clean one."""
+        """Queue a structured item's re-asks so far for the next commit, so a run killed after it carries
+        on from them instead of paying for them again. The invalid answer keeps its slot until that is
+        committed, like a clean one: re-asks paid for but not yet in the ledger never exceed the
+        concurrency (the re-ask itself may go out before the commit, in another free slot)."""
         self._outcomes.append(
             Outcome(
                 item_id=work.item.id, state=ItemState.RUNNING, attempts=work.counted,

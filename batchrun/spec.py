@@ -144,6 +144,10 @@ class RunSpec:
     # Reuse an answer any job of the ledger already got for the same request (batchrun.cache);
     # false (or --no-cache): send every item. Request keys are recorded either way.
     cache: bool = True
+    # "online": one request per attempt; "batch": through the provider's batch API ([batch], half price).
+    mode: str = "online"
+    # OpenAI's service_tier for online requests ("flex": batch prices, slower, 429s when busy); "": the default.
+    service_tier: str = ""
 
     @property
     def lock_stale_seconds(self) -> float:
@@ -156,6 +160,32 @@ class RunSpec:
 
 
 RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(RunSpec))
+MODES = ("online", "batch")  # [run] mode, --mode
+FLEX_TIMEOUT = 900.0  # [run] timeout under service_tier = "flex" unless the spec sets one (OpenAI's advice)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """``[batch]``: how batch mode splits a job into provider batches (shards) and waits for them.
+
+    Like ``[run]``, it says how a job is worked, not what is asked: it is not part of
+    the job's identity, and a resume may change it.
+    """
+
+    max_requests: int = 0  # requests per shard; 0: the provider's limit (OpenAI 50,000, Anthropic 100,000)
+    max_bytes: int = 0  # bytes of a shard's request file; 0: the provider's limit (200 MB, 256 MB)
+    # Estimated prompt tokens of all unfinished shards together (the per-model queue limit of
+    # the user's tier); 0: no limit of ours (a batch the provider refuses for it is retried smaller).
+    enqueued_tokens: int = 0
+    keep_files: bool = False  # keep the shard's files (OpenAI) / batch (Anthropic) at the provider once collected
+    deadline: float = 0.0  # seconds after the job's first shard: cancel what is left at the provider, go online
+    poll_interval: float = 30.0  # first wait between two polls of a shard; it grows to poll_max
+    poll_max: float = 300.0
+    reask: str = "batch"  # an answer that fails the schema is asked again in the next shard, or "online"
+
+
+BATCH_FIELDS = frozenset(f.name for f in dataclasses.fields(BatchSpec))
+REASK_ROUTES = ("batch", "online")  # [batch] reask
 
 
 @dataclass(frozen=True)
@@ -176,6 +206,13 @@ class PricingSpec:
     input_per_million: float | None = None
     output_per_million: float | None = None
     cached_input_per_million: float | None = None
+    # Batch mode's rates; each defaults to half its online rate (the providers' batch discount).
+    batch_input_per_million: float | None = None
+    batch_output_per_million: float | None = None
+    batch_cached_input_per_million: float | None = None
+
+
+BATCH_DISCOUNT = 0.5  # batch price / online price, unless [pricing] batch_* says otherwise
 
 
 class Overrides:
@@ -235,6 +272,7 @@ class JobSpec:
     run: RunSpec
     output: OutputSpec = field(default_factory=OutputSpec)
     pricing: PricingSpec = field(default_factory=PricingSpec)
+    batch: BatchSpec = field(default_factory=BatchSpec)
     name: str | None = None
     source: str = ""
     path: str | None = None
@@ -265,6 +303,7 @@ class JobSpec:
             run=RunSpec(**_known_fields(RunSpec, data.get("run", {}))),
             output=OutputSpec(**_known_fields(OutputSpec, data.get("output", {}))),
             pricing=PricingSpec(**_known_fields(PricingSpec, data.get("pricing", {}))),
+            batch=BatchSpec(**_known_fields(BatchSpec, data.get("batch", {}))),
             name=data.get("name"),
             source=source,
             path=path,
@@ -274,6 +313,7 @@ class JobSpec:
         """Hash of everything that decides what is sent (not how fast): job identity."""
         data = self.to_dict()
         data.pop("run")
+        data.pop("batch")
         data.pop("name")
         data.pop("pricing")
         data["output"].pop("schema_file")
@@ -311,6 +351,22 @@ class JobSpec:
             cached_input=p.cached_input_per_million
             if p.cached_input_per_million is not None
             else (listed.cached_input if listed else None),
+        )
+
+    def batch_price(self) -> Price | None:
+        """USD per million tokens of batch mode: [pricing] batch_* rates, else half the online ones."""
+        from batchrun.pricing import Price
+
+        online = self.price()
+        p = self.pricing
+        if online is None and p.batch_input_per_million is None and p.batch_output_per_million is None:
+            return None
+        half = (online or Price(0.0, 0.0)).scaled(BATCH_DISCOUNT)
+        return Price(
+            input=p.batch_input_per_million if p.batch_input_per_million is not None else half.input,
+            output=p.batch_output_per_million if p.batch_output_per_million is not None else half.output,
+            cached_input=p.batch_cached_input_per_million
+            if p.batch_cached_input_per_million is not None else half.cached_input,
         )
 
     def user_templates(self) -> tuple[Template | None, tuple[tuple[str, Template], ...]]:
@@ -361,8 +417,9 @@ def spec_for_batch_input(overrides: Overrides) -> JobSpec:
 
 
 _KNOWN = {
-    "": {"name", "provider", "request", "run", "output", "pricing"},
-    "pricing": {"input_per_million", "output_per_million", "cached_input_per_million"},
+    "": {"name", "provider", "request", "run", "output", "pricing", "batch"},
+    "pricing": {f.name for f in dataclasses.fields(PricingSpec)},
+    "batch": set(BATCH_FIELDS),
     "output": {"schema", "name", "strict", "validation_retries"},
     "provider": {f.name for f in dataclasses.fields(ProviderSpec)},
     "request": {"system", "template", "messages", "max_tokens", "temperature", "extra"},
@@ -388,8 +445,10 @@ def parse_spec(
     run_t = _table(data, "run", where)
     output_t = _table(data, "output", where)
     pricing_t = _table(data, "pricing", where)
+    batch_t = _table(data, "batch", where)
     for name, table in (
-        ("provider", provider_t), ("request", request_t), ("run", run_t), ("output", output_t), ("pricing", pricing_t)
+        ("provider", provider_t), ("request", request_t), ("run", run_t), ("output", output_t), ("pricing", pricing_t),
+        ("batch", batch_t),
     ):
         _check_keys(table, name, where)
 
@@ -438,9 +497,11 @@ def parse_spec(
     run_values: dict[str, Any] = {}
     for f in dataclasses.fields(RunSpec):
         default = getattr(defaults, f.name)
-        expected: type = bool if isinstance(default, bool) else int if isinstance(default, int) else float
+        expected = _expected(default)
         value = _get(run_t, "run", f.name, expected, where, default)
         run_values[f.name] = float(value) if expected is float else value
+    if run_values["service_tier"] == "flex" and "timeout" not in run_t:
+        run_values["timeout"] = FLEX_TIMEOUT
     run = RunSpec(**run_values)
     _check_run(run, where)
     if "budget_usd" in run_t:
@@ -448,21 +509,60 @@ def parse_spec(
 
     output = _parse_output(output_t, where, base_dir or Path.cwd())
     prices: dict[str, float | None] = {}
-    for key in ("input_per_million", "output_per_million", "cached_input_per_million"):
+    for key in (f.name for f in dataclasses.fields(PricingSpec)):
         value = _get(pricing_t, "pricing", key, float, where, None)
         if value is not None and value < 0:
             raise SpecError(f"{where}: [pricing] {key} = {value}: expected a price >= 0 (USD per million tokens)")
         prices[key] = float(value) if value is not None else None
     pricing = PricingSpec(**prices)
+    batch = _parse_batch(batch_t, where)
     name = _get(data, "", "name", str, where, None)
     spec = JobSpec(
-        provider=provider, request=request, run=run, output=output, pricing=pricing, name=name, source=source, path=path
+        provider=provider, request=request, run=run, output=output, pricing=pricing, batch=batch, name=name,
+        source=source, path=path,
     )
     try:
         spec.user_templates()  # compile now so placeholder errors surface at load time
     except SpecError as exc:
         raise SpecError(f"{where}: {exc.message}") from exc
     return spec
+
+
+def _expected(default: Any) -> type:
+    """The TOML type of a setting, from its default's."""
+    return bool if isinstance(default, bool) else int if isinstance(default, int) else str if isinstance(default, str) else float
+
+
+_DURATIONS = frozenset({"deadline", "poll_interval", "poll_max"})  # [batch] keys that also take "6h", "90s"
+
+
+def _parse_batch(table: Mapping[str, Any], where: str) -> BatchSpec:
+    from batchrun.ratelimit import parse_reset
+
+    defaults = BatchSpec()
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(BatchSpec):
+        default = getattr(defaults, f.name)
+        raw = table.get(f.name, default)
+        if f.name in _DURATIONS and isinstance(raw, str):
+            seconds = parse_reset(raw.strip()) if raw.strip() else 0.0
+            if seconds is None:
+                raise SpecError(f"{where}: [batch] {f.name} = {raw!r}: expected seconds or a duration such as 90s, 30m, 6h")
+            values[f.name] = float(seconds)
+            continue
+        expected = _expected(default)
+        value = _get(table, "batch", f.name, expected, where, default)
+        values[f.name] = float(value) if expected is float else value
+    batch = BatchSpec(**values)
+    for key in ("max_requests", "max_bytes", "enqueued_tokens", "deadline"):
+        if getattr(batch, key) < 0:
+            raise SpecError(f"{where}: [batch] {key} = {getattr(batch, key)}: expected a number >= 0 (0: no limit)")
+    for key in ("poll_interval", "poll_max"):
+        if not getattr(batch, key) > 0:
+            raise SpecError(f"{where}: [batch] {key} = {getattr(batch, key)}: expected a number of seconds > 0")
+    if batch.reask not in REASK_ROUTES:
+        raise SpecError(f"{where}: [batch] reask = {batch.reask!r}: expected one of {', '.join(REASK_ROUTES)}")
+    return batch
 
 
 def _parse_output(table: Mapping[str, Any], where: str, base_dir: Path) -> OutputSpec:
@@ -554,6 +654,8 @@ def _check_run(run: RunSpec, where: str) -> None:
     for key in ("grace_seconds", "hang_factor", "hang_min_seconds", "rpm", "tpm", "max_runtime"):
         if getattr(run, key) < 0:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number >= 0")
+    if run.mode not in MODES:
+        raise SpecError(f"{where}: [run] mode = {run.mode!r}: expected one of {', '.join(MODES)}")
 
 
 def _check_budget(value: float, where: str) -> None:

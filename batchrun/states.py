@@ -14,6 +14,7 @@ class ItemState(StrEnum):
 
     PENDING = "pending"  # waiting for a run to claim it
     RUNNING = "running"  # leased to a run (owner, expiry)
+    SUBMITTED = "submitted"  # in a live provider batch (a shard, batch mode): the provider has it
     SUCCEEDED = "succeeded"  # answered (and valid, for a job with a schema)
     FAILED = "failed"  # a permanent error, or its attempts used up
     INVALID_OUTPUT = "invalid_output"  # the answer failed validation on every re-ask
@@ -22,8 +23,8 @@ class ItemState(StrEnum):
 
 
 ALL_STATES: tuple[ItemState, ...] = tuple(ItemState)
-# Work left: what a run claims, or holds.
-OPEN_STATES: tuple[ItemState, ...] = (ItemState.PENDING, ItemState.RUNNING)
+# Work left: what a run claims, or holds, or a provider batch holds.
+OPEN_STATES: tuple[ItemState, ...] = (ItemState.PENDING, ItemState.RUNNING, ItemState.SUBMITTED)
 # No run works these any more.
 FINISHED_STATES: tuple[ItemState, ...] = (
     ItemState.SUCCEEDED, ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED, ItemState.CANCELLED,
@@ -42,6 +43,32 @@ def no_counts() -> dict[str, int]:
     return {state.value: 0 for state in ItemState}
 
 
+class ShardState(StrEnum):
+    """The states of a shard: one provider batch of a batch-mode job (DESIGN.md, "Batch mode").
+
+    ::
+
+        preparing --create sent--> creating --id recorded--> live --provider ended--> ended --results in--> collected
+            ^                         |                                                  (failed: the provider
+            +---- not at the provider (reconciled) ----+                                  refused it; items back)
+
+    Its items are ``submitted`` from ``preparing`` until ``collected`` or ``failed``.
+    """
+
+    PREPARING = "preparing"  # the row and its items are committed; no create call was sent yet
+    CREATING = "creating"  # a create call was sent: whether the provider has the batch is unknown until reconciled
+    LIVE = "live"  # the provider's batch id is recorded; it is working on it
+    ENDED = "ended"  # the provider ended it (completed, expired, cancelled): its results are to be collected
+    COLLECTED = "collected"  # its results are in the ledger and its items settled
+    FAILED = "failed"  # the provider refused it (validation, token limit): its items went back
+
+
+# Shards whose items are still submitted.
+OPEN_SHARD_STATES: tuple[ShardState, ...] = (
+    ShardState.PREPARING, ShardState.CREATING, ShardState.LIVE, ShardState.ENDED,
+)
+
+
 class StopReason(StrEnum):
     """Why a run (or a worker) stopped before it ran out of work."""
 
@@ -55,6 +82,7 @@ class StopReason(StrEnum):
     ERROR = "error"  # a bug or a broken environment
     IDLE = "idle"  # a worker with --exit-when-idle found nothing left to do
     STOP = "stop"  # told to stop without a reason of its own (a worker's runner, a library caller)
+    AT_PROVIDER = "at_provider"  # batch mode without --wait: items left in provider batches for a later run
 
 
 class ExitCode(IntEnum):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from batchrun import interrupt
+from batchrun.batch import BatchOptions, BatchRunner
 from batchrun.errors import BatchrunError, ExportWriteError, StoppedError
 from batchrun.eventloop import run_sync
 from batchrun.export import ExportResult, check_format, check_target, export_command, export_job
@@ -122,6 +123,7 @@ def submit(
     overrides: Overrides | None = None,
     options: RunOptions | None = None,
     sender: Sender | None = None,
+    batch: BatchOptions | None = None,
     handle_signals: bool = False,
     on_prepared: OnPrepared | None = None,
     on_start: OnStart | None = None,
@@ -145,7 +147,8 @@ def submit(
         return _as_stored(ledger, prepared.job_id, prepared)
     return _run_and_export(
         ledger, prepared.job_id, target, prepared, handle_signals,
-        overrides=overrides, options=options or RunOptions(command="submit"), sender=sender, on_start=on_start,
+        overrides=overrides, options=options or RunOptions(command="submit"), sender=sender, batch=batch,
+        on_start=on_start,
     )
 
 
@@ -160,6 +163,7 @@ def resume(
     overrides: Overrides | None = None,
     options: RunOptions | None = None,
     sender: Sender | None = None,
+    batch: BatchOptions | None = None,
     handle_signals: bool = False,
     on_start: OnStart | None = None,
 ) -> SubmitResult:
@@ -177,7 +181,8 @@ def resume(
         finish_interrupted_ingest(ledger, job_id, should_stop)
     return _run_and_export(
         ledger, job_id, target, None, handle_signals,
-        overrides=overrides, options=options or RunOptions(command="resume"), sender=sender, on_start=on_start,
+        overrides=overrides, options=options or RunOptions(command="resume"), sender=sender, batch=batch,
+        on_start=on_start,
     )
 
 
@@ -196,6 +201,7 @@ async def submit_async(
     overrides: Overrides | None = None,
     options: RunOptions | None = None,
     sender: Sender | None = None,
+    batch: BatchOptions | None = None,
     on_prepared: OnPrepared | None = None,
     on_start: OnStart | None = None,
 ) -> SubmitResult:
@@ -208,7 +214,7 @@ async def submit_async(
     if not run:
         return await asyncio.to_thread(_as_stored, ledger, prepared.job_id, prepared)
     summary = await _work(ledger, prepared.job_id, overrides, options or RunOptions(command="submit"), sender,
-                          on_start, handle_signals=False)
+                          batch, on_start, handle_signals=False)
     return await asyncio.to_thread(_finish, ledger, summary, target, prepared, None)
 
 
@@ -223,6 +229,7 @@ async def resume_async(
     overrides: Overrides | None = None,
     options: RunOptions | None = None,
     sender: Sender | None = None,
+    batch: BatchOptions | None = None,
     on_start: OnStart | None = None,
 ) -> SubmitResult:
     """:func:`resume` on the running loop: the ingest and the export run in a thread; no signal handlers."""
@@ -231,7 +238,7 @@ async def resume_async(
     await asyncio.to_thread(target.check, ledger, job_id)
     await asyncio.to_thread(finish_interrupted_ingest, ledger, job_id)
     summary = await _work(ledger, job_id, overrides, options or RunOptions(command="resume"), sender,
-                          on_start, handle_signals=False)
+                          batch, on_start, handle_signals=False)
     return await asyncio.to_thread(_finish, ledger, summary, target, None, None)
 
 
@@ -256,6 +263,7 @@ def _run_and_export(
     overrides: Overrides | None,
     options: RunOptions,
     sender: Sender | None,
+    batch: BatchOptions | None,
     on_start: OnStart | None,
 ) -> SubmitResult:
     name = interrupt.received() if handle_signals else None
@@ -265,7 +273,8 @@ def _run_and_export(
             stored, exit_code=ExitCode.TEMPFAIL, stop_reason=StopReason.SIGNAL,
             error=StoppedError(f"stopped by {name} before the run started; carry on with: batchrun resume {job_id}"),
         )
-    summary = run_sync(_work(ledger, job_id, overrides, options, sender, on_start, handle_signals=handle_signals))
+    summary = run_sync(_work(ledger, job_id, overrides, options, sender, batch, on_start,
+                             handle_signals=handle_signals))
     with _holding(handle_signals) as should_stop:
         return _finish(ledger, summary, target, prepared, should_stop)
 
@@ -276,26 +285,30 @@ async def _work(
     overrides: Overrides | None,
     options: RunOptions,
     sender: Sender | None,
+    batch: BatchOptions | None,
     on_start: OnStart | None,
     *,
     handle_signals: bool,
 ) -> RunSummary:
-    """The run, with what ``on_start`` returned running beside it."""
+    """The run, with what ``on_start`` returned running beside it (online runs: a batch-mode
+    run reports through ``batch.on_event``)."""
     todo = 0
     if on_start is not None:
         counts = await asyncio.to_thread(LedgerQueries(ledger.engine).counts, job_id)
         todo = counts[ItemState.PENDING] + counts[ItemState.RUNNING]
     beside: asyncio.Future[None] | None = None
 
-    def started(runner: JobRunner) -> None:
+    def started(runner: JobRunner | BatchRunner) -> None:
         nonlocal beside
+        if not isinstance(runner, JobRunner) or beside is not None:
+            return
         shown = on_start(runner, todo) if on_start is not None else None
         if shown is not None:
             beside = asyncio.ensure_future(shown)
 
     try:
         return await run_job(ledger, job_id, overrides=overrides, options=options, sender=sender, on_start=started,
-                             handle_signals=handle_signals)
+                             handle_signals=handle_signals, batch=batch)
     finally:
         if beside is not None:
             beside.cancel()

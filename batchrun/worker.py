@@ -268,6 +268,10 @@ class Worker:
         except BatchrunError as exc:
             self._back_off(job_id, exc.message)
             return
+        if spec.run.mode == "batch":
+            self._back_off(job_id, f"it is in batch mode ([run] mode = \"batch\"): `batchrun resume {job_id}` works "
+                                   "it through the provider's batch API; workers send online requests")
+            return
         runner = JobRunner(
             self.ledger,
             job,

@@ -1,4 +1,4 @@
-"""The ledger schema: jobs, items, attempts, runs, exports and rate buckets.
+"""The ledger schema: jobs, items, attempts, runs, exports, rate buckets and shards.
 
 Times are UNIX seconds as floats: portable between SQLite and PostgreSQL and
 cheap to compare on the hot path.
@@ -86,7 +86,16 @@ items = Table(
     Column("cached_from", BigId),
     # A structured item's re-asks so far: JSON [[invalid answer, feedback], ...] (null: none).
     Column("followups", Text),
+    # Batch mode: the shard (provider batch) that holds the item (state submitted) or answered it.
+    Column("shard_id", BigId),
     Index("ix_items_claim", "job_id", "state", "id"),
+    Index(
+        "ix_items_shard",
+        "shard_id",
+        "id",
+        sqlite_where=text("shard_id IS NOT NULL"),
+        postgresql_where=text("shard_id IS NOT NULL"),
+    ),
     Index(
         "ix_items_answered_by_request",
         "request_hash",
@@ -140,6 +149,7 @@ attempts = Table(
     Column("tpot_ms", Float),  # streamed attempts: ms per output token after the first
     # The run's own number for the attempt: a replayed write cannot add it twice.
     Column("seq", Integer),
+    Column("shard_id", BigId),  # batch mode: the shard whose results line this is (null: an online request)
     Index("uq_attempts_run_seq", "run_id", "seq", unique=True),
 )
 
@@ -169,4 +179,42 @@ rate_buckets = Table(
     Column("rate", Float, nullable=False),  # per second
     Column("capacity", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+)
+
+# Batch mode: one row per provider batch ("shard") of a job (batchrun.batch). The row and its
+# items (state submitted, items.shard_id) are committed before the provider is asked to create
+# the batch; ``token`` names the shard at the provider (OpenAI metadata and file name), so a
+# batch created but never recorded is found again instead of created twice.
+shards = Table(
+    "shards",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("job_id", ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False),
+    Column("token", String(64), nullable=False, unique=True),
+    Column("kind", String(32), nullable=False),  # the provider kind
+    Column("state", String(16), nullable=False),  # states.ShardState
+    Column("run_id", String(32)),  # the run that made it
+    Column("endpoint", Text),  # OpenAI: the one endpoint of its requests
+    Column("model", Text),  # the one model of its requests (null: each request's own)
+    Column("own_ids", Boolean, nullable=False),  # lines carry the items' custom_ids (else "i<item id>")
+    Column("requests", Integer, nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("prompt_tokens", BigInteger, nullable=False),  # estimated: what the enqueued-token limit counts
+    Column("worst_usd", Float),  # the budget's reservation for it (null: no budget)
+    Column("input_file_id", Text),
+    Column("batch_id", Text),  # the provider's batch id
+    Column("output_file_id", Text),
+    Column("error_file_id", Text),
+    Column("provider_status", String(32)),  # as the provider last said
+    Column("counts", Text),  # JSON: the provider's request counts, as last polled
+    Column("created_at", Float, nullable=False),  # the row
+    Column("create_sent_at", Float),  # the last create call
+    Column("provider_created_at", Float),
+    Column("in_progress_at", Float),
+    Column("ended_at", Float),
+    Column("expires_at", Float),
+    Column("collected_at", Float),
+    Column("cancel_reason", String(16)),  # "user" (batchrun cancel) or "deadline", once cancelled at the provider
+    Column("error", Text),  # why the provider refused it, or what went wrong collecting it
+    Index("ix_shards_job_state", "job_id", "state"),
 )

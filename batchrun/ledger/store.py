@@ -148,6 +148,7 @@ class AttemptRecord:
     tpot_ms: float | None = None
     counted: bool = True  # counts against max_attempts (not a 429, an auth refusal or an outage)
     seq: int | None = None  # the run's own number for it (unique per run): a replayed write adds it once
+    shard_id: int | None = None  # batch mode: the shard whose results line it is (None: an online request)
 
 
 _ITEM_INSERT_COLUMNS = (

@@ -18,6 +18,9 @@ from batchrun.providers.base import PreparedRequest, Provider, Reply
 from batchrun.redact import register_secret
 
 if TYPE_CHECKING:
+    import httpx
+
+    from batchrun.providers.batches import BatchApi
     from batchrun.spec import JobSpec
 
 
@@ -33,4 +36,18 @@ def provider_for(spec: JobSpec, *, api_key: str | None = None, read_key: bool = 
     return provider
 
 
-__all__ = ["PreparedRequest", "Provider", "Reply", "provider_for"]
+def batch_api_for(
+    spec: JobSpec, provider: Provider, *, transport: httpx.AsyncBaseTransport | None = None,
+    retry_seconds: float = 300.0,
+) -> BatchApi:
+    """The batch API of the spec's kind, over its online ``provider`` (same base URL and key)."""
+    import httpx
+
+    timeout = httpx.Timeout(spec.run.timeout, connect=spec.run.connect_timeout)
+    api: BatchApi = provider_entry(spec.provider.kind).load_batch_api()(
+        provider, timeout=timeout, retry_seconds=retry_seconds, transport=transport
+    )
+    return api
+
+
+__all__ = ["PreparedRequest", "Provider", "Reply", "batch_api_for", "provider_for"]

@@ -76,6 +76,11 @@ class AnthropicProvider:
         self.headers = httpx.Headers(headers)  # built once; each request copies it cheaply
         self.warnings: list[str] = []
         self.stream = spec.run.stream
+        if spec.run.service_tier:
+            raise SpecError(
+                f"{spec.path or 'spec'}: [run] service_tier is OpenAI's (kind openai or openai-responses); for the "
+                "Messages API's own, use [request] extra = {{ service_tier = \"...\" }}"
+            )
         self.answer_limit_keys = provider_entry(self.kind).max_tokens_params
         if spec.has_template and spec.request.max_tokens is None:
             raise SpecError(

@@ -56,6 +56,8 @@ class OpenAIProvider:
         self.warnings: list[str] = []
         self.response_format = self._response_format(spec)
         self.stream = spec.run.stream
+        # How the request is served (flex: cheaper, slower); batch lines have their own price and carry none.
+        self.service_tier = spec.run.service_tier if spec.run.service_tier and spec.run.mode == "online" else None
         self.answer_limit_keys = provider_entry(self.kind).max_tokens_params
 
     def _response_format(self, spec: JobSpec) -> dict[str, Any] | None:
@@ -127,9 +129,12 @@ class OpenAIProvider:
         max_tokens: int | None = None,
         followups: Sequence[tuple[str, str]] = (),
     ) -> PreparedRequest:
-        if not (self.model or self.response_format or max_tokens is not None or followups or self.stream):
+        if not (self.model or self.response_format or max_tokens is not None or followups or self.stream
+                or self.service_tier):
             return PreparedRequest(self.endpoint(url), self.headers, body.encode())
         data = orjson.loads(body)
+        if self.service_tier:
+            data["service_tier"] = self.service_tier
         if self.stream:
             data["stream"] = True
             data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}

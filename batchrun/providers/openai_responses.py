@@ -94,6 +94,8 @@ class OpenAIResponsesProvider(OpenAIProvider):
         data = orjson.loads(body)
         if self.model:
             data["model"] = self.model
+        if self.service_tier:
+            data["service_tier"] = self.service_tier
         if self.stream:
             data["stream"] = True
         if self.text_format is not None and "format" not in (data.get("text") or {}):

@@ -60,7 +60,7 @@ def test_submit_status_list_export(tmp_path: Path, server: FakeProviderServer) -
     status = run_cli(tmp_path, "status", "1", "--db", str(db), "--json")
     data = orjson.loads(status.stdout)
     assert data["job_id"] == 1 and data["total"] == 21
-    assert data["counts"] == {"pending": 0, "running": 0, "succeeded": 20, "failed": 0, "invalid_output": 0, "rejected": 1, "cancelled": 0}
+    assert data["counts"] == {"pending": 0, "running": 0, "submitted": 0, "succeeded": 20, "failed": 0, "invalid_output": 0, "rejected": 1, "cancelled": 0}
     assert data["requests"] == 20 == len(server.log)
     assert data["tokens"]["input"] == sum(r.prompt_tokens for r in server.log)
     assert data["tokens"]["output"] == sum(r.completion_tokens for r in server.log)

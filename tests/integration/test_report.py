@@ -132,7 +132,7 @@ def test_status_json_agrees_with_the_server_log(
     data = status_json(db_url, job_id)
     assert data["job_id"] == job_id and data["total"] == 240 and data["done"] is True
     assert data["counts"] == {
-        "pending": 0, "running": 0, "succeeded": 240, "failed": 0, "invalid_output": 0, "rejected": 0, "cancelled": 0,
+        "pending": 0, "running": 0, "submitted": 0, "succeeded": 240, "failed": 0, "invalid_output": 0, "rejected": 0, "cancelled": 0,
     }
     assert len(ok) == len(server.ok_by_key()) == 240
     assert data["requests"] == len(log)

@@ -115,3 +115,23 @@ def test_a_second_signal_exits_75_at_once() -> None:
     assert proc.returncode == ExitCode.TEMPFAIL, proc.stderr
     assert "not stopped" not in proc.stdout
     assert proc.stderr.startswith("batchrun: SIGINT: finishing requests in flight (up to 30 s)")
+
+
+def test_the_command_ignores_signals_once_its_exit_code_is_decided() -> None:
+    """The interpreter's teardown puts SIG_DFL back for every signal with a Python handler, so a
+    SIGINT in the last moment of a finished submit ended it by the signal (exit -2 under load in
+    test_signals_cli). Ignored signals are left ignored: the decided code stands."""
+    code = (
+        "import signal, sys\n"
+        "import batchrun.cli\n"
+        "batchrun.cli.main = lambda: sys.exit(0)\n"
+        "from batchrun.__main__ import main\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"]

@@ -22,7 +22,7 @@ def counts(**n: int) -> dict[str, int]:
 
 def test_states_are_the_strings_the_ledger_stores() -> None:
     assert [str(s) for s in ALL_STATES] == [
-        "pending", "running", "succeeded", "failed", "invalid_output", "rejected", "cancelled",
+        "pending", "running", "submitted", "succeeded", "failed", "invalid_output", "rejected", "cancelled",
     ]
     assert set(OPEN_STATES) | set(FINISHED_STATES) == set(ALL_STATES)
     assert not set(OPEN_STATES) & set(FINISHED_STATES)
@@ -42,6 +42,7 @@ def test_states_are_the_strings_the_ledger_stores() -> None:
         (counts(pending=3), StopReason.AUTH, True, ExitCode.AUTH),
         (counts(pending=3), StopReason.BUDGET, True, ExitCode.BUDGET),
         (counts(succeeded=3), StopReason.LOCK_LOST, True, ExitCode.TEMPFAIL),  # another run finished it
+        (counts(succeeded=2, submitted=1), StopReason.AT_PROVIDER, True, ExitCode.TEMPFAIL),  # a later run collects it
     ],
 )
 def test_exit_codes(item_counts: dict[str, int], reason: StopReason | None, ingest_done: bool, code: ExitCode) -> None:

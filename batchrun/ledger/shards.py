@@ -1,0 +1,414 @@
+"""Batch mode's side of the ledger: shards (one provider batch each) and the items they hold.
+
+A shard's row and its items (``pending`` -> ``submitted``, ``items.shard_id``) are
+committed in one transaction before the provider is asked to create the batch, so
+a crash at any point leaves a shard that knows exactly which items it holds. Every
+write is fenced by the job lock, like an exclusive run's claims: a run that stalled
+and was taken over writes nothing more (LockLostError). A results line lands only
+on an item still ``submitted`` in that shard, and its attempt row is written only
+when it lands, so collecting a shard twice (a crash during write-back, a replayed
+transaction) charges nothing twice.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from sqlalchemy import Connection, func, insert, select, update
+
+from batchrun.ledger.models import attempts as attempts_t
+from batchrun.ledger.models import items as items_t
+from batchrun.ledger.models import runs as runs_t
+from batchrun.ledger.models import shards as shards_t
+from batchrun.ledger.store import AttemptRecord, Ledger, Outcome, _no_nul, _pid_alive
+from batchrun.states import OPEN_SHARD_STATES, ItemState, ShardState
+
+# What a shard's row may be updated with after it is made (ShardLedger.update).
+_MUTABLE = frozenset({
+    "state", "run_id", "input_file_id", "batch_id", "output_file_id", "error_file_id", "provider_status", "counts",
+    "create_sent_at", "provider_created_at", "in_progress_at", "ended_at", "expires_at", "collected_at",
+    "cancel_reason", "error",
+})
+# What a results line writes on the item it answers (a final state; or, going back, the last error).
+_LANDED = (
+    "state", "status_code", "response", "output", "parsed", "validation_errors", "request_id", "error_class",
+    "error_message", "input_tokens", "output_tokens", "latency_ms", "finished_at", "cost_usd", "request_hash",
+    "followups",
+)
+_BACK = ("status_code", "error_class", "error_message", "followups")
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """A shard as stored."""
+
+    id: int
+    job_id: int
+    token: str
+    kind: str
+    state: str
+    run_id: str | None
+    endpoint: str | None
+    model: str | None
+    own_ids: bool
+    requests: int
+    bytes: int
+    prompt_tokens: int
+    worst_usd: float | None
+    input_file_id: str | None
+    batch_id: str | None
+    output_file_id: str | None
+    error_file_id: str | None
+    provider_status: str | None
+    counts: Mapping[str, int]
+    created_at: float
+    create_sent_at: float | None
+    provider_created_at: float | None
+    in_progress_at: float | None
+    ended_at: float | None
+    expires_at: float | None
+    collected_at: float | None
+    cancel_reason: str | None
+    error: str | None
+
+    @property
+    def is_open(self) -> bool:
+        """Its items are still submitted."""
+        return self.state in OPEN_SHARD_STATES
+
+    def line_id(self, item_id: int, custom_id: str) -> str:
+        """The custom_id an item's line carries in this shard's request file."""
+        return custom_id if self.own_ids else f"i{item_id}"
+
+
+@dataclass(frozen=True)
+class ShardItem:
+    """What building an item's line of a request file needs."""
+
+    id: int
+    custom_id: str
+    url: str | None
+    body: str
+    attempts: int
+    max_tokens: int | None = None
+    followups: str | None = None  # JSON [[invalid answer, feedback], ...]: re-asks so far
+
+
+@dataclass
+class ShardPlan:
+    """The items chosen for a new shard, and what they add up to."""
+
+    token: str
+    kind: str
+    endpoint: str | None
+    model: str | None
+    own_ids: bool
+    item_ids: list[int] = field(default_factory=list)
+    bytes: int = 0
+    prompt_tokens: int = 0
+    worst_usd: float | None = None
+
+
+_SHARD_ITEM_COLUMNS = (
+    items_t.c.id, items_t.c.custom_id, items_t.c.url, items_t.c.body, items_t.c.attempts, items_t.c.max_tokens,
+    items_t.c.followups,
+)
+
+
+def _shard(row: Any) -> ShardRecord:
+    values = dict(row._mapping)
+    values["counts"] = orjson.loads(values["counts"]) if values["counts"] else {}
+    values["own_ids"] = bool(values["own_ids"])
+    return ShardRecord(**values)
+
+
+class ShardLedger:
+    """The shard side of a :class:`~batchrun.ledger.store.Ledger` (same engine, same fences)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.engine = ledger.engine
+
+    # -- reading ----------------------------------------------------------------
+
+    def shards(self, job_id: int, *, open_only: bool = False) -> list[ShardRecord]:
+        """The job's shards, oldest first (only those whose items are still submitted, with ``open_only``)."""
+        stmt = select(shards_t).where(shards_t.c.job_id == job_id).order_by(shards_t.c.id)
+        if open_only:
+            stmt = stmt.where(shards_t.c.state.in_(list(OPEN_SHARD_STATES)))
+        with self.engine.connect() as conn:
+            return [_shard(row) for row in conn.execute(stmt)]
+
+    def get(self, shard_id: int) -> ShardRecord:
+        with self.engine.connect() as conn:
+            return _shard(conn.execute(select(shards_t).where(shards_t.c.id == shard_id)).one())
+
+    def pending_items(self, job_id: int, *, after_id: int = 0, limit: int = 2000) -> list[ShardItem]:
+        """Pending items of the job in input order, from ``after_id`` on: the candidates for a new shard."""
+        return self._items(
+            select(*_SHARD_ITEM_COLUMNS).where(
+                items_t.c.job_id == job_id, items_t.c.state == ItemState.PENDING, items_t.c.id > after_id
+            ).order_by(items_t.c.id).limit(limit)
+        )
+
+    def shard_items(self, shard_id: int, *, after_id: int = 0, limit: int = 2000) -> list[ShardItem]:
+        """The items a shard holds (still submitted), in input order, from ``after_id`` on."""
+        return self._items(
+            select(*_SHARD_ITEM_COLUMNS).where(
+                items_t.c.shard_id == shard_id, items_t.c.state == ItemState.SUBMITTED, items_t.c.id > after_id
+            ).order_by(items_t.c.id).limit(limit)
+        )
+
+    def iter_shard_items(self, shard_id: int, *, chunk: int = 2000) -> Iterator[ShardItem]:
+        after = 0
+        while True:
+            rows = self.shard_items(shard_id, after_id=after, limit=chunk)
+            yield from rows
+            if len(rows) < chunk:
+                return
+            after = rows[-1].id
+
+    def _items(self, stmt: Any) -> list[ShardItem]:
+        with self.engine.connect() as conn:
+            return [ShardItem(*row) for row in conn.execute(stmt)]
+
+    def items_by_line_id(self, shard: ShardRecord, line_ids: Sequence[str]) -> dict[str, ShardItem]:
+        """The shard's submitted items that these results lines answer, by the custom_id their line carried."""
+        if not line_ids:
+            return {}
+        cond = [items_t.c.shard_id == shard.id, items_t.c.state == ItemState.SUBMITTED]
+        if shard.own_ids:
+            cond += [items_t.c.job_id == shard.job_id, items_t.c.custom_id.in_(list(line_ids))]
+        else:
+            ids = [int(x[1:]) for x in line_ids if x[:1] == "i" and x[1:].isdigit()]
+            cond.append(items_t.c.id.in_(ids))
+        found = self._items(select(*_SHARD_ITEM_COLUMNS).where(*cond))
+        return {shard.line_id(item.id, item.custom_id): item for item in found}
+
+    def reserved_usd(self, job_id: int) -> float:
+        """What the job's open shards reserved of its budget (their worst cases)."""
+        with self.engine.connect() as conn:
+            return float(
+                conn.execute(
+                    select(func.coalesce(func.sum(shards_t.c.worst_usd), 0.0)).where(
+                        shards_t.c.job_id == job_id, shards_t.c.state.in_(list(OPEN_SHARD_STATES))
+                    )
+                ).scalar_one()
+            )
+
+    def answered_by_route(self, job_id: int) -> dict[str, int]:
+        """The job's succeeded items by how they were answered: ``batch`` (a shard's results) or ``online``."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(items_t.c.shard_id.is_(None), func.count())
+                .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.SUCCEEDED)
+                .group_by(items_t.c.shard_id.is_(None))
+            ).all()
+        by = {"batch": 0, "online": 0}
+        for online, n in rows:
+            by["online" if online else "batch"] += int(n)
+        return by
+
+    def turnarounds(self, kind: str, limit: int = 200) -> list[float]:
+        """Seconds from created to ended of this ledger's latest ended shards of a provider kind."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(shards_t.c.ended_at - func.coalesce(shards_t.c.provider_created_at, shards_t.c.created_at))
+                .where(shards_t.c.kind == kind, shards_t.c.ended_at.is_not(None))
+                .order_by(shards_t.c.id.desc()).limit(limit)
+            ).scalars().all()
+        return sorted(float(r) for r in rows if r is not None and r >= 0)
+
+    def run_may_be_alive(self, run_id: str | None) -> bool:
+        """Whether the run may still be at work: not ended, and not a process known dead on this host."""
+        if run_id is None:
+            return False
+        with self.engine.connect() as conn:
+            row = conn.execute(select(runs_t.c.pid, runs_t.c.host, runs_t.c.ended_at).where(runs_t.c.id == run_id)).first()
+        if row is None or row.ended_at is not None:
+            return False
+        return not (row.host == socket.gethostname() and not _pid_alive(row.pid))
+
+    def first_created_at(self, job_id: int) -> float | None:
+        """When the job's first shard was made (its ``[batch] deadline`` counts from there)."""
+        with self.engine.connect() as conn:
+            value = conn.execute(
+                select(func.min(shards_t.c.created_at)).where(shards_t.c.job_id == job_id)
+            ).scalar()
+        return float(value) if value is not None else None
+
+    def known_batch_ids(self, kind: str) -> set[str]:
+        """The provider batch ids every shard of this ledger has recorded (of any job)."""
+        with self.engine.connect() as conn:
+            return {
+                str(b) for b in conn.execute(
+                    select(shards_t.c.batch_id).where(shards_t.c.kind == kind, shards_t.c.batch_id.is_not(None))
+                ).scalars()
+            }
+
+    # -- writing (fenced by the job lock) -----------------------------------------
+
+    def add(self, job_id: int, run_id: str, plan: ShardPlan) -> ShardRecord:
+        """Make a shard of ``plan``'s items in one transaction: the row, and its items pending -> submitted.
+
+        Only items still pending are taken (the shard's counts are those it really holds).
+        """
+        now = time.time()
+        with self.ledger._write() as conn:
+            self.ledger._renew_lock(conn, job_id, run_id)
+            inserted = conn.execute(
+                insert(shards_t).values(
+                    job_id=job_id, token=plan.token, kind=plan.kind, state=ShardState.PREPARING, run_id=run_id,
+                    endpoint=plan.endpoint, model=plan.model, own_ids=plan.own_ids, requests=len(plan.item_ids),
+                    bytes=plan.bytes, prompt_tokens=plan.prompt_tokens, worst_usd=plan.worst_usd, created_at=now,
+                )
+            )
+            shard_id = int(inserted.inserted_primary_key[0])  # type: ignore[index]
+            taken = 0
+            for start in range(0, len(plan.item_ids), 1000):
+                chunk = plan.item_ids[start:start + 1000]
+                taken += conn.execute(
+                    update(items_t)
+                    .where(items_t.c.id.in_(chunk), items_t.c.job_id == job_id, items_t.c.state == ItemState.PENDING)
+                    .values(state=ItemState.SUBMITTED, shard_id=shard_id)
+                ).rowcount
+            if taken != len(plan.item_ids):
+                conn.execute(update(shards_t).where(shards_t.c.id == shard_id).values(requests=taken))
+            row = conn.execute(select(shards_t).where(shards_t.c.id == shard_id)).one()
+        return _shard(row)
+
+    def update(self, shard: ShardRecord, holder: str, /, **values: Any) -> ShardRecord:
+        """Record what the provider said of a shard (ids, status, counts, times); the row as it is now.
+
+        ``holder`` is the run that holds the job lock (the fence).
+        """
+        unknown = set(values) - _MUTABLE
+        if unknown:
+            raise ValueError(f"not a shard field that changes: {', '.join(sorted(unknown))}")
+        if "counts" in values and values["counts"] is not None:
+            values["counts"] = orjson.dumps(values["counts"]).decode()
+        with self.ledger._write() as conn:
+            self.ledger._renew_lock(conn, shard.job_id, holder)
+            conn.execute(update(shards_t).where(shards_t.c.id == shard.id).values(**values))
+            row = conn.execute(select(shards_t).where(shards_t.c.id == shard.id)).one()
+        return _shard(row)
+
+    def refuse(self, shard: ShardRecord, run_id: str, reason: str, failed: Mapping[int, str] | None = None) -> int:
+        """The provider refused the shard (validation, a token limit): its items go back to pending,
+        except those ``failed`` names (item id -> why), which fail for good. Nothing is charged."""
+        failed = failed or {}
+        with self.ledger._write() as conn:
+            self.ledger._renew_lock(conn, shard.job_id, run_id)
+            for item_id, message in failed.items():
+                conn.execute(
+                    update(items_t)
+                    .where(items_t.c.id == item_id, items_t.c.shard_id == shard.id,
+                           items_t.c.state == ItemState.SUBMITTED)
+                    .values(state=ItemState.FAILED, error_class="batch_refused", error_message=_no_nul(message),
+                            finished_at=time.time())
+                )
+            back = conn.execute(
+                update(items_t)
+                .where(items_t.c.shard_id == shard.id, items_t.c.state == ItemState.SUBMITTED)
+                .values(state=ItemState.PENDING, shard_id=None)
+            ).rowcount
+            conn.execute(
+                update(shards_t).where(shards_t.c.id == shard.id).values(
+                    state=ShardState.FAILED, error=_no_nul(reason), collected_at=time.time(),
+                )
+            )
+        return int(back)
+
+    def record_results(
+        self, shard: ShardRecord, run_id: str, outcomes: Sequence[Outcome], attempts: Sequence[AttemptRecord]
+    ) -> int:
+        """Write a batch of a shard's results lines in one transaction; how many landed.
+
+        An outcome lands only on an item still submitted in this shard; the attempt
+        of the same item is written (and charged) only when its outcome lands.
+        """
+        by_item = {a.item_id: a for a in attempts}
+        landed = 0
+        with self.ledger._write() as conn:
+            self.ledger._renew_lock(conn, shard.job_id, run_id)
+            for outcome in outcomes:
+                attempt = by_item.get(outcome.item_id)
+                charge = 1 if attempt is not None and attempt.counted else 0
+                if outcome.state == ItemState.PENDING:
+                    values = {c: getattr(outcome, c) for c in _BACK}
+                    values.update(state=ItemState.PENDING, shard_id=None)
+                else:
+                    values = {c: getattr(outcome, c) for c in _LANDED}
+                if not self.ledger.is_sqlite:
+                    values = {k: _no_nul(v) for k, v in values.items()}
+                result = conn.execute(
+                    update(items_t)
+                    .where(items_t.c.id == outcome.item_id, items_t.c.shard_id == shard.id,
+                           items_t.c.state == ItemState.SUBMITTED)
+                    .values(**values, attempts=items_t.c.attempts + charge)
+                )
+                if result.rowcount and attempt is not None:
+                    landed += 1
+                    _insert_attempt(conn, attempt, self.ledger.is_sqlite)
+                elif result.rowcount:
+                    landed += 1
+        return landed
+
+    def close(self, shard: ShardRecord, run_id: str, *, left: ItemState = ItemState.PENDING) -> int:
+        """The shard's results are all in: what it still holds (lines missing from the results) goes back
+        to ``left`` (pending, uncharged; cancelled when the user cancelled it), and the shard is collected."""
+        with self.ledger._write() as conn:
+            self.ledger._renew_lock(conn, shard.job_id, run_id)
+            back = conn.execute(
+                update(items_t)
+                .where(items_t.c.shard_id == shard.id, items_t.c.state == ItemState.SUBMITTED)
+                .values(state=left, shard_id=None if left == ItemState.PENDING else shard.id,
+                        finished_at=None if left == ItemState.PENDING else time.time())
+            ).rowcount
+            conn.execute(
+                update(shards_t).where(shards_t.c.id == shard.id).values(
+                    state=ShardState.COLLECTED, collected_at=time.time()
+                )
+            )
+        return int(back)
+
+    def fail_items(self, job_id: int, run_id: str, failures: Mapping[int, tuple[str, str]]) -> None:
+        """Fail pending items that cannot be put in any batch (item id -> (error class, message))."""
+        if not failures:
+            return
+        with self.ledger._write() as conn:
+            self.ledger._renew_lock(conn, job_id, run_id)
+            for item_id, (error_class, message) in failures.items():
+                conn.execute(
+                    update(items_t)
+                    .where(items_t.c.id == item_id, items_t.c.state == ItemState.PENDING)
+                    .values(state=ItemState.FAILED, error_class=error_class, error_message=_no_nul(message),
+                            finished_at=time.time())
+                )
+
+    def cancel_requested(self, job_id: int) -> list[ShardRecord]:
+        """Mark the job's live shards cancelled by the user (``batchrun cancel``), unfenced: the command
+        holds no lock. Their finished lines are still collected; the rest become cancelled."""
+        with self.ledger._write() as conn:
+            conn.execute(
+                update(shards_t)
+                .where(shards_t.c.job_id == job_id, shards_t.c.state.in_(list(OPEN_SHARD_STATES)),
+                       shards_t.c.cancel_reason.is_(None))
+                .values(cancel_reason="user")
+            )
+            rows = conn.execute(
+                select(shards_t).where(shards_t.c.job_id == job_id, shards_t.c.state.in_(list(OPEN_SHARD_STATES)))
+            ).all()
+        return [_shard(r) for r in rows]
+
+
+def _insert_attempt(conn: Connection, attempt: AttemptRecord, is_sqlite: bool) -> None:
+    values = {k: v for k, v in attempt.__dict__.items() if k != "counted"}
+    if not is_sqlite:
+        values = {k: _no_nul(v) for k, v in values.items()}
+    conn.execute(insert(attempts_t).values(**values))
