@@ -49,8 +49,7 @@ import orjson
 from batchrun.budget import ROUNDING_MARGIN, usd, worst_case_rate
 from batchrun.cache import cache_scope, request_key, reusable
 from batchrun.errors import AuthError, LockLostError, OutputInvalidError, ProviderError, RetryableError
-from batchrun.ledger import AttemptRecord, JobRecord, Ledger, LedgerQueries, Outcome
-from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger
+from batchrun.ledger import LEDGER_RETRY_SECONDS, AsyncLedger, AttemptRecord, JobRecord, Ledger, LedgerQueries, Outcome
 from batchrun.ledger.shards import ShardItem, ShardLedger, ShardPlan, ShardRecord
 from batchrun.pricing import Price, price_for
 from batchrun.providers import Provider, batch_api_for, provider_for

@@ -27,34 +27,20 @@ Only ``succeeded`` items are ever reused; failed and invalid answers never are.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import orjson
 
 from batchrun.provider_registry import provider_entry
 
-if TYPE_CHECKING:  # the ledger imports this module; status and export must not load the HTTP stack
+if TYPE_CHECKING:  # status and export must not load the HTTP stack
+    from batchrun.ledger.store import CachedAnswer
     from batchrun.providers.base import PreparedRequest, Provider
     from batchrun.spec import ProviderSpec
     from batchrun.validate import OutputValidator
 
 KEY_LENGTH = 64  # hex SHA-256, the width of items.request_hash
 DELIVERY_FIELDS = ("stream", "stream_options", "service_tier")  # how the answer travels, not what is asked
-
-
-@dataclass(frozen=True)
-class CachedAnswer:
-    """A succeeded item's answer, as a later item reuses it."""
-
-    item_id: int  # the item that paid for the answer (never itself a reused one)
-    status_code: int | None
-    response: str | None
-    output: str | None
-    parsed: str | None
-    request_id: str | None
-    input_tokens: int | None
-    output_tokens: int | None
 
 
 def cache_scope(provider: ProviderSpec) -> str:

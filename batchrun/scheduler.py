@@ -53,7 +53,7 @@ from tenacity.wait import wait_base
 
 from batchrun.admission import Admission, NotAdmitted
 from batchrun.budget import SpendBudget, budget_price
-from batchrun.cache import CachedAnswer, cache_scope, request_key, reusable
+from batchrun.cache import cache_scope, request_key, reusable
 from batchrun.errors import (
     AuthError,
     BudgetExceededError,
@@ -65,8 +65,16 @@ from batchrun.errors import (
     RetryableError,
 )
 from batchrun.health import LATENCIES_KEPT, Health
-from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Outcome, RunLedger
-from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger
+from batchrun.ledger import (
+    LEDGER_RETRY_SECONDS,
+    AsyncLedger,
+    AttemptRecord,
+    CachedAnswer,
+    ClaimedItem,
+    JobRecord,
+    Outcome,
+    RunLedger,
+)
 from batchrun.providers import Provider, Reply
 from batchrun.providers.base import PreparedRequest
 from batchrun.providers.http import Sender

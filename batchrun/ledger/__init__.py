@@ -5,10 +5,11 @@ from the event loop."""
 from __future__ import annotations
 
 from batchrun.ledger.engine import database_error_line, default_db_path, is_database_error, resolve_db_url
-from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger, ride_out
+from batchrun.ledger.engine import LEDGER_RETRY_SECONDS
+from batchrun.ledger.facade import AsyncLedger, ride_out
 from batchrun.ledger.protocol import RunLedger
 from batchrun.ledger.queries import AttemptTotals, Distribution, ErrorGroup, ItemRow, LedgerQueries, SharedOutputs
-from batchrun.ledger.store import RETRY_FILTERS, AttemptRecord, ClaimedItem, JobRecord, Ledger, Outcome
+from batchrun.ledger.store import RETRY_FILTERS, AttemptRecord, CachedAnswer, ClaimedItem, JobRecord, Ledger, Outcome
 
 __all__ = [
     "LEDGER_RETRY_SECONDS",
@@ -16,6 +17,7 @@ __all__ = [
     "AsyncLedger",
     "AttemptRecord",
     "AttemptTotals",
+    "CachedAnswer",
     "ClaimedItem",
     "Distribution",
     "ErrorGroup",

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.pool import QueuePool
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 
@@ -204,6 +204,47 @@ def open_engine(db: str | os.PathLike[str] | None) -> Engine:
     except (SQLAlchemyError, OSError, ValueError) as exc:
         raise LedgerError(f"cannot open ledger {_safe_url(url)}: {database_error_line(exc)}") from exc
     return engine
+
+
+LEDGER_RETRY_SECONDS = 180.0  # how long a PostgreSQL ledger call is retried by default
+
+
+# SQLSTATEs worth retrying: a server going away or not there yet (admin_shutdown, a
+# restart; crash_shutdown; cannot_connect_now, "the database system is starting up"), a
+# session ended for sitting in a transaction (this process was stalled: see engine.py),
+# and a transaction PostgreSQL rolled back to break a deadlock or a serialization conflict.
+_GONE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "25P03"})
+_ROLLED_BACK_SQLSTATES = frozenset({"40P01", "40001"})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """The database went away, cannot be reached right now, or rolled the transaction back
+    to break a deadlock (worth retrying).
+
+    SQLAlchemy marks a connection lost mid-use (``connection_invalidated``); a failure to
+    connect is psycopg's OperationalError without a SQLSTATE (refused, reset, timed out),
+    a connection exception (class 08) or one of the shutdown/start-up states; a deadlock
+    is ``40P01``. Anything else (a constraint, a full disk, a bug) is not retried: it
+    would fail again.
+    """
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    if not isinstance(exc, (OperationalError, InterfaceError)):
+        return False
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - PostgreSQL ledgers need it
+        return False
+    orig = exc.orig
+    if not isinstance(orig, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return False
+    sqlstate = orig.sqlstate
+    return (
+        sqlstate is None
+        or sqlstate.startswith("08")
+        or sqlstate in _GONE_SQLSTATES
+        or sqlstate in _ROLLED_BACK_SQLSTATES
+    )
 
 
 def is_database_error(exc: BaseException) -> bool:

@@ -29,7 +29,6 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -40,51 +39,11 @@ from tenacity import (
     wait_random,
 )
 
+from batchrun.ledger.engine import LEDGER_RETRY_SECONDS, is_transient
 from batchrun.ledger.protocol import RunLedger
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-LEDGER_RETRY_SECONDS = 180.0  # how long a PostgreSQL ledger call is retried by default
-
-
-# SQLSTATEs worth retrying: a server going away or not there yet (admin_shutdown, a
-# restart; crash_shutdown; cannot_connect_now, "the database system is starting up"), a
-# session ended for sitting in a transaction (this process was stalled: see engine.py),
-# and a transaction PostgreSQL rolled back to break a deadlock or a serialization conflict.
-_GONE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "25P03"})
-_ROLLED_BACK_SQLSTATES = frozenset({"40P01", "40001"})
-
-
-def is_transient(exc: BaseException) -> bool:
-    """The database went away, cannot be reached right now, or rolled the transaction back
-    to break a deadlock (worth retrying).
-
-    SQLAlchemy marks a connection lost mid-use (``connection_invalidated``); a failure to
-    connect is psycopg's OperationalError without a SQLSTATE (refused, reset, timed out),
-    a connection exception (class 08) or one of the shutdown/start-up states; a deadlock
-    is ``40P01``. Anything else (a constraint, a full disk, a bug) is not retried: it
-    would fail again.
-    """
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-        return True
-    if not isinstance(exc, (OperationalError, InterfaceError)):
-        return False
-    try:
-        import psycopg
-    except ImportError:  # pragma: no cover - PostgreSQL ledgers need it
-        return False
-    orig = exc.orig
-    if not isinstance(orig, (psycopg.OperationalError, psycopg.InterfaceError)):
-        return False
-    sqlstate = orig.sqlstate
-    return (
-        sqlstate is None
-        or sqlstate.startswith("08")
-        or sqlstate in _GONE_SQLSTATES
-        or sqlstate in _ROLLED_BACK_SQLSTATES
-    )
-
 
 def _ride_out_seconds(ledger: RunLedger, seconds: float) -> float:
     """How long a call to ``ledger`` is retried: ``seconds`` on PostgreSQL; never on SQLite (its errors are local)."""

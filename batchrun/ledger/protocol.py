@@ -13,8 +13,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from batchrun.cache import CachedAnswer
-    from batchrun.ledger.store import AttemptRecord, ClaimedItem, JobRecord, Outcome
+    from batchrun.ledger.store import AttemptRecord, CachedAnswer, ClaimedItem, JobRecord, Outcome
 
 
 class RunLedger(Protocol):

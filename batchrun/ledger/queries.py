@@ -21,6 +21,7 @@ from sqlalchemy import ColumnElement, Engine, Integer, and_, case, func, literal
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError
 
+from batchrun.ledger.engine import LEDGER_RETRY_SECONDS, is_transient
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import item_columns
 from batchrun.ledger.models import items as items_t
@@ -451,8 +452,6 @@ class LedgerQueries:
                                 result.close()  # also when the caller stops early: the cursor goes now
                     return
                 except DBAPIError as exc:
-                    from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, is_transient
-
                     if not is_transient(exc):
                         raise
                     if stuck_since is None or stuck_since[0] != last:

@@ -44,7 +44,6 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
-from batchrun.cache import CachedAnswer
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerBusyError, LockLostError
 from batchrun.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE_OPTION, open_engine
 from batchrun.ledger.models import attempts as attempts_t
@@ -99,6 +98,20 @@ class ClaimedItem:
     max_tokens: int | None = None
     followups: str | None = None  # JSON [[invalid answer, feedback], ...]: re-asks a killed run committed
     claim: int = 0  # the run's number for the claim that leased it; its outcomes carry it
+
+
+@dataclass(frozen=True)
+class CachedAnswer:
+    """A succeeded item's answer, as a later item reuses it (the response cache, batchrun/cache.py)."""
+
+    item_id: int  # the item that paid for the answer (never itself a reused one)
+    status_code: int | None
+    response: str | None
+    output: str | None
+    parsed: str | None
+    request_id: str | None
+    input_tokens: int | None
+    output_tokens: int | None
 
 
 @dataclass

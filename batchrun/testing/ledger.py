@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
-from batchrun.cache import CachedAnswer
 from batchrun.errors import JobNotFoundError
-from batchrun.ledger import AttemptRecord, ClaimedItem, ItemRow, JobRecord, Outcome, RunLedger
+from batchrun.ledger import AttemptRecord, CachedAnswer, ClaimedItem, ItemRow, JobRecord, Outcome, RunLedger
 from batchrun.ledger.models import items as items_t
 from batchrun.ledger.store import BACK_COLUMNS, FINAL_COLUMNS, UNANSWERED, LockHolder, job_locked, lock_lost
 from batchrun.spec import JobSpec

@@ -196,7 +196,7 @@ def test_deadlocks_are_retried(pg_url: str) -> None:
     not a crash of the run. A real deadlock between two connections here."""
     import threading
 
-    from batchrun.ledger.facade import is_transient
+    from batchrun.ledger.engine import is_transient
 
     ledger = Ledger.open(pg_url)
     try:

@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 from batchrun.errors import LedgerBusyError, LockLostError
 from batchrun.ledger import AsyncLedger, Ledger, ride_out
-from batchrun.ledger.facade import is_transient
+from batchrun.ledger.engine import is_transient
 
 
 @pytest.fixture
