@@ -125,6 +125,7 @@ def submit(
     fmt: str = "results",
     errors: PathArg | None = None,
     force: bool = False,
+    schema: type | Mapping[str, Any] | None = None,
     new: bool = False,
     strict: bool = False,
     run: bool = True,
@@ -138,12 +139,14 @@ def submit(
     """Submit ``input_path`` under ``spec`` and work it to the end; export to ``output`` when it is finished.
 
     ``input_path`` is a file, or an iterable of dicts (spooled to a file in the ledger's folder).
+    ``schema`` (a Pydantic model class, or a JSON Schema) replaces the spec's ``[output] schema``.
     The same spec and input content find the existing job and carry it on (``new``:
     always a new job); ``strict`` refuses the whole input if a line is bad.
     ``overrides`` are the run-time settings that win over the stored spec.
     ``on_prepared`` gets the job once it is stored, before the run.
     """
     target = _Target(output, fmt, errors, force)
+    spec = spec.with_output_schema(schema) if schema is not None else spec
     if handle_signals:
         interrupt.stop_point("before the job was stored (nothing was sent); run the same command again to carry on")
     path = input_file(ledger, input_path)
@@ -201,6 +204,7 @@ async def submit_async(
     fmt: str = "results",
     errors: PathArg | None = None,
     force: bool = False,
+    schema: type | Mapping[str, Any] | None = None,
     new: bool = False,
     strict: bool = False,
     run: bool = True,
@@ -212,6 +216,7 @@ async def submit_async(
 ) -> SubmitResult:
     """:func:`submit` on the running loop: the ingest and the export run in a thread; no signal handlers."""
     target = _Target(output, fmt, errors, force)
+    spec = spec.with_output_schema(schema) if schema is not None else spec
     path = await asyncio.to_thread(input_file, ledger, input_path)
     prepared = await asyncio.to_thread(prepare_job, ledger, spec, path, new=new, strict=strict)
     await asyncio.to_thread(target.check, ledger, prepared.job_id)

@@ -2,7 +2,9 @@
 
 Counts by state, attempt totals, nearest-rank distributions and histograms, errors
 by class and by status, throughput, two jobs' shared outputs, the item rows export
-streams, and what a run reads at its start (spend so far, recent latencies). The
+streams, the items finished since a poll (results as they finish), single items and
+their attempts (``batchrun show``), and what a run reads at its start (spend so far,
+recent latencies). The
 write side (jobs, ingest, the lock and leases, claim and record, the response
 cache, user actions) is :class:`~batchrun.ledger.store.Ledger`; both work over
 the same engine, and neither calls the other.
@@ -23,7 +25,7 @@ from sqlalchemy.exc import DBAPIError
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import item_columns
 from batchrun.ledger.models import items as items_t
-from batchrun.states import ItemState, no_counts
+from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState, no_counts
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class ItemRow:
     item_id: int = 0
     cost_usd: float | None = None
     cached_from: int | None = None  # the answer was reused from this item (the response cache)
+    finished_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -475,3 +478,50 @@ class LedgerQueries:
                 yield ItemRow(*r)
             last = rows[-1].line
 
+
+    # -- results as they finish (batchrun.collect) -----------------------------------------
+
+    def finished_frontier(self, job_id: int) -> int:
+        """An id below which every item of the job is finished: the lowest open (pending or running)
+        item's, else one past the highest id. Items stored later (an ingest still running) get higher ids.
+
+        One index lookup per open state, and one for the highest id.
+        """
+        i = items_t.c
+        with self.engine.connect() as conn:
+            lowest = [
+                conn.execute(select(func.min(i.id)).where(i.job_id == job_id, i.state == state)).scalar()
+                for state in OPEN_STATES
+            ]
+            open_ids = [int(x) for x in lowest if x is not None]
+            if open_ids:
+                return min(open_ids)
+            highest = conn.execute(select(func.max(i.id)).where(i.job_id == job_id)).scalar()
+        return int(highest) + 1 if highest is not None else 0
+
+    def finished_ids(self, job_id: int, from_id: int) -> list[int]:
+        """Ids of the job's finished items (any of FINISHED_STATES) from ``from_id`` on, ascending.
+
+        Read from the claim index (job, state, id) alone: the table's rows are not touched.
+        """
+        i = items_t.c
+        with self.engine.connect() as conn:
+            ids = conn.execute(
+                select(i.id).where(i.job_id == job_id, i.state.in_(list(FINISHED_STATES)), i.id >= from_id)
+            ).scalars().all()
+        return sorted(int(x) for x in ids)
+
+    def items_by_id(self, job_id: int, ids: Sequence[int], *, chunk: int = 500) -> list[ItemRow]:
+        """The job's items with these ids, in the order they finished (then input order)."""
+        rows: list[ItemRow] = []
+        with self.engine.connect() as conn:
+            for start in range(0, len(ids), chunk):
+                part = list(ids[start : start + chunk])
+                rows += [
+                    ItemRow(*r)
+                    for r in conn.execute(
+                        select(*_ITEM_ROW_COLUMNS).where(items_t.c.job_id == job_id, items_t.c.id.in_(part))
+                    )
+                ]
+        rows.sort(key=lambda r: (r.finished_at or 0.0, r.line))
+        return rows
