@@ -20,11 +20,11 @@ from batchrun import interrupt
 from batchrun.errors import BatchrunError, LedgerWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
 from batchrun.export import FORMATS, export_job
-from batchrun.ledger import RETRY_FILTERS, Ledger, database_error_line, default_db_path, is_database_error
+from batchrun.ledger import RETRY_FILTERS, SHOW_FILTERS, Ledger, database_error_line, default_db_path, is_database_error
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import Overrides, load_spec, spec_for_batch_input
-from batchrun.states import USER_RETRYABLE_STATES, ExitCode
+from batchrun.states import ALL_STATES, USER_RETRYABLE_STATES, ExitCode
 from batchrun.tabular import INPUT_FORMATS
 
 if TYPE_CHECKING:
@@ -591,13 +591,13 @@ def _export_to_stdout(db: str | None, job: int, fmt: str, errors: str | None, fo
         sys.exit(128 + 13)  # 128 + SIGPIPE
 
 
-def _parse_where(expr: str | None) -> dict[str, Any]:
+def _parse_where(expr: str | None, keys: tuple[str, ...] = RETRY_FILTERS) -> dict[str, Any]:
     where: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in (expr or "").split(","))):
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or key not in RETRY_FILTERS:
-            raise UsageError(f"--where {expr!r}: expected KEY=VALUE[,KEY=VALUE] with KEY one of {', '.join(RETRY_FILTERS)}")
+        if not sep or key not in keys:
+            raise UsageError(f"--where {expr!r}: expected KEY=VALUE[,KEY=VALUE] with KEY one of {', '.join(keys)}")
         where[key] = int(value) if key == "status_code" and value.strip().isdigit() else value.strip()
     return where
 
@@ -675,6 +675,46 @@ def revalidate(job: int, schema_path: str | None, as_json: bool, db: str | None)
         if ids:
             shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
             click.echo(f"  {label}: {shown}")
+
+
+@main.command(short_help="A job's items: the request as sent, each attempt, the answer or error.")
+@click.argument("job", type=int)
+@click.argument("custom_id", required=False)
+@click.option("--where", "where", default=None, metavar="KEY=VALUE",
+              help=f"Only items matching KEY=VALUE[,KEY=VALUE] (KEY: {', '.join(SHOW_FILTERS)}), "
+                   "e.g. state=failed or error_class=schema_invalid.")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Show at most N items.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per item, a line each.")
+@db_option
+@handle_errors
+def show(job: int, custom_id: str | None, where: str | None, limit: int, as_json: bool, db: str | None) -> None:
+    """Show JOB's items one by one (CUSTOM_ID's alone): the request as sent,
+    each re-ask, each attempt (status, error, latency, tokens, cost), and the
+    final answer or the error with its raw text. Nothing is sent.
+
+    \b
+    Examples:
+      batchrun show 3 r17
+      batchrun show 3 --where state=failed --limit 5
+      batchrun show 3 --where error_class=schema_invalid --json | jq .reasks
+    """
+    from batchrun.browse import render_item, show_items
+
+    chosen = _parse_where(where, SHOW_FILTERS)
+    if "state" in chosen and chosen["state"] not in ALL_STATES:
+        raise UsageError(f"--where state={chosen['state']}: expected one of {', '.join(ALL_STATES)}")
+    with _open(db) as ledger:
+        views = show_items(ledger, job, custom_id, chosen, limit=limit)
+    if custom_id is not None and not views:
+        raise UsageError(f"job {job} has no item {custom_id!r}" + (f" matching --where {where}" if where else ""))
+    if as_json:
+        for view in views:
+            click.echo(orjson.dumps(view.to_json()).decode())
+        return
+    if not views:
+        click.echo(f"batchrun: no items of job {job}" + (f" match --where {where}" if where else ""), err=True)
+        return
+    click.echo("\n\n".join(render_item(view) for view in views))
 
 
 @main.command()

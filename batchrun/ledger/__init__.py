@@ -5,18 +5,31 @@ from __future__ import annotations
 
 from batchrun.ledger.engine import database_error_line, default_db_path, is_database_error, resolve_db_url
 from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger, ride_out
-from batchrun.ledger.queries import AttemptTotals, Distribution, ErrorGroup, ItemRow, LedgerQueries, SharedOutputs
+from batchrun.ledger.queries import (
+    SHOW_FILTERS,
+    AttemptRow,
+    AttemptTotals,
+    Distribution,
+    ErrorGroup,
+    ItemDetail,
+    ItemRow,
+    LedgerQueries,
+    SharedOutputs,
+)
 from batchrun.ledger.store import RETRY_FILTERS, AttemptRecord, ClaimedItem, JobRecord, Ledger, Outcome
 
 __all__ = [
     "LEDGER_RETRY_SECONDS",
     "RETRY_FILTERS",
+    "SHOW_FILTERS",
     "AsyncLedger",
     "AttemptRecord",
+    "AttemptRow",
     "AttemptTotals",
     "ClaimedItem",
     "Distribution",
     "ErrorGroup",
+    "ItemDetail",
     "ItemRow",
     "JobRecord",
     "Ledger",

@@ -12,8 +12,9 @@ the same engine, and neither calls the other.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,40 @@ class SharedOutputs:
     both_succeeded: int
 
 
+@dataclass(frozen=True)
+class ItemDetail:
+    """One item as ``batchrun show`` reads it: its row, and the request it was made from."""
+
+    row: ItemRow
+    url: str | None  # None: the provider's default route
+    body: str | None  # the stored request body (a rejected line has none)
+    max_tokens: int | None  # a limit set by `batchrun retry --max-tokens`
+    followups: str | None  # JSON [[invalid answer, feedback], ...] of its re-asks so far
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    """One HTTP request for an item, as recorded."""
+
+    number: int
+    started_at: float
+    queue_wait_ms: float | None
+    latency_ms: float | None
+    status_code: int | None
+    error_class: str | None
+    input_tokens: int | None
+    output_tokens: int | None
+    cached_tokens: int | None
+    cost_usd: float | None
+    ttft_ms: float | None
+    item_id: int = 0
+
+
+# What ``batchrun show --where`` can choose items by: columns of the items table.
+SHOW_FILTERS = ("state", "error_class", "status_code", "custom_id")
 RECONNECT_PAUSE_S = 1.0  # between tries to reopen an export's cursor while the server is away
 _ITEM_ROW_COLUMNS = item_columns(ItemRow, {"item_id": "id"})
+_ATTEMPT_ROW_COLUMNS = tuple(attempts_t.c[f.name] for f in dataclasses.fields(AttemptRow))
 
 
 class LedgerQueries:
@@ -525,3 +558,37 @@ class LedgerQueries:
                 ]
         rows.sort(key=lambda r: (r.finished_at or 0.0, r.line))
         return rows
+
+    # -- single items and their attempts (batchrun show) ----------------------------------
+
+    def find_items(self, job_id: int, where: Mapping[str, Any] | None = None, *, limit: int = 20) -> list[ItemDetail]:
+        """The job's first ``limit`` items in input order whose columns equal ``where``
+        (keys among SHOW_FILTERS: ValueError for any other)."""
+        i = items_t.c
+        conds: list[ColumnElement[bool]] = [i.job_id == job_id]
+        for column, value in (where or {}).items():
+            if column not in SHOW_FILTERS:
+                raise ValueError(f"items cannot be chosen by {column!r}: only by {', '.join(SHOW_FILTERS)}")
+            conds.append(i[column] == value)
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(*_ITEM_ROW_COLUMNS, i.url, i.body, i.max_tokens, i.followups)
+                .where(*conds).order_by(i.line).limit(limit)
+            ).all()
+        n = len(_ITEM_ROW_COLUMNS)
+        return [ItemDetail(ItemRow(*r[:n]), *r[n:]) for r in rows]
+
+    def item_attempts(self, job_id: int, item_ids: Sequence[int]) -> dict[int, list[AttemptRow]]:
+        """Each item's attempts, in the order they were sent (an item without any has an empty list)."""
+        found: dict[int, list[AttemptRow]] = {item_id: [] for item_id in item_ids}
+        if not item_ids:
+            return found
+        a = attempts_t.c
+        with self.engine.connect() as conn:
+            for r in conn.execute(
+                select(*_ATTEMPT_ROW_COLUMNS).where(a.job_id == job_id, a.item_id.in_(list(item_ids)))
+                .order_by(a.started_at, a.id)
+            ):
+                attempt = AttemptRow(*r)
+                found[attempt.item_id].append(attempt)
+        return found
