@@ -16,7 +16,8 @@ One asyncio loop runs three things:
 - the writer commits outcomes and attempts in batches (by count or every
   ``flush_interval``; at once while a clean answer holds its slot, so the
   answers that come in during one commit make the next one), hands the held
-  slots back, and renews the run's heartbeat and leases. Waiting to gather
+  slots back, and renews the run's heartbeat and leases (the run's
+  :class:`~batchrun.tenure.Tenure`: what it may still send). Waiting to gather
   bigger batches would hand slots back in bursts, and against a steady
   latency a burst sent together comes back together and stalls the loop.
 
@@ -65,7 +66,7 @@ from batchrun.errors import (
     RetryableError,
 )
 from batchrun.health import LATENCIES_KEPT, Health
-from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Ledger, LedgerQueries, Outcome
+from batchrun.ledger import AttemptRecord, ClaimedItem, JobRecord, Outcome, RunLedger
 from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger
 from batchrun.providers import Provider, Reply
 from batchrun.providers.base import PreparedRequest
@@ -75,6 +76,7 @@ from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SharedTokenBu
 from batchrun.spec import JobSpec
 from batchrun.validate import OutputValidator, feedback
 from batchrun.states import ItemState, StopReason
+from batchrun.tenure import Tenure, clocks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -160,7 +162,7 @@ class JobRunner:
 
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: RunLedger,
         job: JobRecord,
         spec: JobSpec,
         provider: Provider,
@@ -193,16 +195,10 @@ class JobRunner:
         self._model_prices: dict[str, Price | None] = {}
         self.lease_seconds = self.options.lease_seconds or spec.run.lease_seconds
         self._heartbeat_interval = min(self.options.heartbeat_interval, self.lease_seconds / 4)
-        # How long a heartbeat vouches for this run's lock and leases: well inside the time
-        # after which another run may take them (the lock's staleness; half the lease for a
-        # worker's items), so a run that stalled (SIGSTOP, a suspended laptop, a long
-        # outage) re-confirms before it sends again. Both clocks count: the monotonic one
-        # stops while a laptop sleeps, the wall clock may jump.
-        self._vouched_for = 0.75 * min(spec.run.lock_stale_seconds, self.lease_seconds / 2)
-        self._vouched_until = (0.0, 0.0)  # (monotonic, wall) ends of the last confirmation
-        self._confirmation: asyncio.Future[None] | None = None
-        self._lock_lost = False
-        self._working: dict[int, _ItemWork] = {}  # claimed items without an outcome yet, by id
+        self.tenure = Tenure(
+            job.id, lock_stale_seconds=spec.run.lock_stale_seconds, lease_seconds=self.lease_seconds,
+            renew=self._renew_leases, on_lost=self._lock_taken, beat_now=self._flush_now.set,
+        )
         self._attempt_seq = 0
         self._claims = 0
         self._bucket_db = AsyncLedger(
@@ -240,7 +236,7 @@ class JobRunner:
         self._stop.set()
         self._wake.set()
         self.admission.stop()
-        self._confirmed()
+        self.tenure.stop()
 
     @property
     def stopping(self) -> bool:
@@ -257,7 +253,7 @@ class JobRunner:
         """The run's budget: the job's shared one on PostgreSQL (several workers), else this process's own."""
         if per_minute <= 0:
             return None
-        if self.ledger.is_sqlite:
+        if not self.ledger.shares_rate_budgets:
             return TokenBucket(per_minute)
 
         async def reserve(amount: float) -> float:
@@ -270,7 +266,7 @@ class JobRunner:
     async def run(self) -> RunResult:
         """Work the job; returns how the run ended. Raises JobLockedError if another run holds it."""
         try:
-            vouched = self._clocks()
+            vouched = clocks()
             run_id = os.urandom(8).hex()  # chosen here, so a replayed start finds its own run
             self.run_id = await self._ledger(
                 lambda: self.ledger.start_run(
@@ -278,7 +274,7 @@ class JobRunner:
                     stale_after=self.spec.run.lock_stale_seconds, run_id=run_id,
                 )
             )
-            self._vouch(vouched)
+            self.tenure.vouch(vouched)
             admission = self.admission
             for kind, budget in (("requests", admission.request_budget), ("tokens", admission.token_budget)):
                 if isinstance(budget, SharedTokenBucket):
@@ -290,10 +286,8 @@ class JobRunner:
             if orphans:
                 log.info("put %d items left running by an earlier run back to pending", orphans)
             if admission.spend is not None:
-                admission.spend.spent = await self._ledger(LedgerQueries(self.ledger.engine).spent_usd, self.job.id)
-            for seconds in await self._ledger(
-                LedgerQueries(self.ledger.engine).recent_latencies, self.job.id, LATENCIES_KEPT
-            ):
+                admission.spend.spent = await self._ledger(self.ledger.spent_usd, self.job.id)
+            for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, LATENCIES_KEPT):
                 self.health.note_latency(seconds)  # the pace waits for this run's own answers
             owns_sender = self._sender is None
             if self._sender is None:
@@ -361,9 +355,7 @@ class JobRunner:
                             )
                         )
                     except LockLostError as lost:
-                        self._lock_lost = True
-                        log.error("%s", lost.message, extra={"job": self.job.id})
-                        self.request_stop(StopReason.LOCK_LOST, lost.message)
+                        self.tenure.lose(lost)
                         break
                     if not claimed:
                         if not active:
@@ -372,7 +364,7 @@ class JobRunner:
                         continue
                     to_send, hits = await self._ledger(self._look_up, claimed)
                     for work in [*to_send, *(work for work, _ in hits)]:
-                        self._hold(work)
+                        self.tenure.hold(work)
                     queue.extend(to_send)
                     queue.extend(work for work, answer in hits if not self._finish_cached(work, answer))
                     continue
@@ -389,13 +381,13 @@ class JobRunner:
             # another run has the job: it has these items and will answer them).
             if queue:
                 for work in queue:
-                    self._settle(work)
+                    self.tenure.settle(work)
                     self._outcomes.append(
                         Outcome(work.item.id, ItemState.PENDING, work.item.attempts, claim=work.item.claim)
                     )
                 queue.clear()
             if active:
-                grace = 0.0 if self._lock_lost else self.spec.run.grace_seconds
+                grace = 0.0 if self.tenure.lock_lost else self.spec.run.grace_seconds
                 done, pending = await asyncio.wait(active, timeout=grace)
                 for task in pending:
                     task.cancel()
@@ -531,7 +523,7 @@ class JobRunner:
         request = self._request(work)
         estimate = self.provider.estimate_tokens(request).total if self.admission.counts_tokens else 0
         # Last before the send, the run may have stalled in the waits: it sends only what it still owns.
-        ready, confirm = lambda: self._owns(work), lambda: self._confirm(work)
+        ready, confirm = lambda: self.tenure.owns(work), lambda: self.tenure.confirm(work)
         async with self.admission.slot(estimate, ready=ready, confirm=confirm) as slot:
             queue_wait_ms = (time.monotonic() - work.ready_at) * 1000.0
             started = time.time()
@@ -658,7 +650,7 @@ class JobRunner:
     # -- outcomes -----------------------------------------------------------
 
     def _put_back(self, work: _ItemWork) -> None:
-        self._settle(work)
+        self.tenure.settle(work)
         self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.counted, claim=work.item.claim))
         self.stats.done["released"] += 1
         self._maybe_flush()
@@ -673,7 +665,7 @@ class JobRunner:
         invalid: OutputInvalidError | None = None,
         parsed: Any = _NO_VALUE,
     ) -> None:
-        self._settle(work)
+        self.tenure.settle(work)
         outcome = Outcome(
             item_id=work.item.id, state=state, attempts=work.counted, finished_at=time.time(), request_hash=work.key,
             claim=work.item.claim,
@@ -719,7 +711,7 @@ class JobRunner:
                 return False
         elif answer.output is None and not self._is_answer(answer):
             return False
-        self._settle(work)
+        self.tenure.settle(work)
         self._outcomes.append(
             Outcome(
                 item_id=work.item.id,
@@ -790,91 +782,23 @@ class JobRunner:
                 await self._ledger(self.ledger.record, self.run_id, outcomes, attempts)
             if held:
                 self.admission.release_committed(held)
-            beat_due = self._confirmation is not None or time.monotonic() - last_beat >= self._heartbeat_interval
-            if beat_due and not self._lock_lost:  # a lost lock is not asked for again
+            beat_due = self.tenure.wanted or time.monotonic() - last_beat >= self._heartbeat_interval
+            if beat_due and not self.tenure.lock_lost:  # a lost lock is not asked for again
                 last_beat = time.monotonic()
-                await self._heartbeat()
+                await self.tenure.renew()
             if self._writer_done and not self._outcomes and not self._attempts:
-                self._confirmed()
+                self.tenure.wake()
                 return
 
-    # -- the lock and the leases ----------------------------------------------
+    # -- the lock and the leases (their fences: batchrun.tenure) --------------
 
-    def _hold(self, work: _ItemWork) -> None:
-        """Track a claimed item until its outcome is queued. One this run held before under an
-        earlier claim (swept from it while it stalled, then claimed again) is that claim's no more."""
-        earlier = self._working.get(work.item.id)
-        if earlier is not None:
-            earlier.lost = True
-        self._working[work.item.id] = work
+    async def _renew_leases(self) -> dict[int, int]:
+        """The heartbeat in the ledger: the lock (an exclusive run) and the leases renewed; the items still held."""
+        return await self._ledger(
+            lambda: self.ledger.heartbeat(self.job.id, self.run_id, self.lease_seconds, exclusive=self.options.exclusive)
+        )
 
-    def _settle(self, work: _ItemWork) -> None:
-        """The item's outcome is queued: stop tracking it (unless a later claim of it is tracked)."""
-        if self._working.get(work.item.id) is work:
-            del self._working[work.item.id]
-
-    @staticmethod
-    def _clocks() -> tuple[float, float]:
-        return time.monotonic(), time.time()
-
-    def _vouch(self, since: tuple[float, float]) -> None:
-        """The lock and leases are confirmed as of ``since`` (taken before the ledger call that confirmed them)."""
-        self._vouched_until = (since[0] + self._vouched_for, since[1] + self._vouched_for)
-
-    def _owns(self, work: _ItemWork) -> bool:
-        """Whether this run may send ``work`` now: its item was not taken, and the last confirmation still holds."""
-        mono, wall = self._vouched_until
-        return not work.lost and time.monotonic() < mono and time.time() < wall
-
-    async def _confirm(self, work: _ItemWork) -> None:
-        """Wait for a heartbeat that re-confirms the lock and leases (the writer makes it at once).
-
-        A heartbeat already under way when this asked may have started before a stall,
-        so its confirmation can be stale too: then one more is asked for.
-        """
-        for _ in range(3):
-            if self.stopping or work.lost or self._owns(work):
-                return
-            if self._confirmation is None:
-                self._confirmation = asyncio.get_running_loop().create_future()
-                self._flush_now.set()
-            await asyncio.shield(self._confirmation)
-
-    def _confirmed(self) -> None:
-        """Wake every task waiting in :meth:`_confirm` (after a heartbeat, or when the run stops)."""
-        if self._confirmation is not None:
-            if not self._confirmation.done():
-                self._confirmation.set_result(None)
-            self._confirmation = None
-
-    async def _heartbeat(self) -> None:
-        """Renew the lock (an exclusive run) and the leases; notice what this run no longer holds.
-
-        Lost lock: the run stops (exit 75), sending nothing more. Items whose lease
-        was swept (a worker that stalled past it) are not sent again by this run.
-        """
-        started = self._clocks()
-        try:
-            held = await self._ledger(
-                lambda: self.ledger.heartbeat(
-                    self.job.id, self.run_id, self.lease_seconds, exclusive=self.options.exclusive
-                )
-            )
-        except LockLostError as lost:
-            self._lock_lost = True
-            log.error("%s", lost.message, extra={"job": self.job.id})
-            self.request_stop(StopReason.LOCK_LOST, lost.message)  # wakes the waiters: they stop
-            return
-        except BaseException:
-            self._confirmed()
-            raise
-        self._vouch(started)
-        taken = [w for item_id, w in self._working.items() if held.get(item_id) != w.item.claim and not w.lost]
-        for work in taken:
-            work.lost = True
-        if taken:
-            log.warning(
-                "%d items were taken from this run (their lease lapsed while it was stalled), e.g. %s; "
-                "not sending them again", len(taken), taken[0].item.custom_id, extra={"job": self.job.id},
-            )
-        self._confirmed()
+    def _lock_taken(self, lost: LockLostError) -> None:
+        """Another run took the job over: stop, sending nothing more (exit 75)."""
+        log.error("%s", lost.message, extra={"job": self.job.id})
+        self.request_stop(StopReason.LOCK_LOST, lost.message)

@@ -1,10 +1,12 @@
 """The ledger: SQLAlchemy models, engine set-up, the :class:`Ledger` write side, the :class:`LedgerQueries`
-reads, and :class:`AsyncLedger`, which calls the ledger from the event loop."""
+reads, :class:`RunLedger` (what a run needs of a ledger), and :class:`AsyncLedger`, which calls the ledger
+from the event loop."""
 
 from __future__ import annotations
 
 from batchrun.ledger.engine import database_error_line, default_db_path, is_database_error, resolve_db_url
 from batchrun.ledger.facade import LEDGER_RETRY_SECONDS, AsyncLedger, ride_out
+from batchrun.ledger.protocol import RunLedger
 from batchrun.ledger.queries import (
     SHOW_FILTERS,
     AttemptRow,
@@ -35,6 +37,7 @@ __all__ = [
     "Ledger",
     "LedgerQueries",
     "Outcome",
+    "RunLedger",
     "SharedOutputs",
     "database_error_line",
     "default_db_path",

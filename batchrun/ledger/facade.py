@@ -40,7 +40,7 @@ from tenacity import (
     wait_random,
 )
 
-from batchrun.ledger.store import Ledger
+from batchrun.ledger.protocol import RunLedger
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,9 +86,9 @@ def is_transient(exc: BaseException) -> bool:
     )
 
 
-def _ride_out_seconds(ledger: Ledger, seconds: float) -> float:
+def _ride_out_seconds(ledger: RunLedger, seconds: float) -> float:
     """How long a call to ``ledger`` is retried: ``seconds`` on PostgreSQL; never on SQLite (its errors are local)."""
-    return 0.0 if ledger.is_sqlite else seconds
+    return seconds if ledger.reconnects else 0.0
 
 
 def _policy(for_seconds: float, what: str) -> dict[str, Any]:
@@ -134,7 +134,7 @@ async def _ride_out_async(call: Callable[[], Awaitable[T]], *, for_seconds: floa
     raise AssertionError("unreachable: tenacity re-raises the last error")
 
 
-def ride_out(ledger: Ledger, call: Callable[[], T], *, what: str) -> T:
+def ride_out(ledger: RunLedger, call: Callable[[], T], *, what: str) -> T:
     """``call()`` (one Ledger transaction) for a synchronous caller (ingest), retried like :meth:`AsyncLedger.call`
     for up to LEDGER_RETRY_SECONDS."""
     for_seconds = _ride_out_seconds(ledger, LEDGER_RETRY_SECONDS)
@@ -151,7 +151,7 @@ class AsyncLedger:
     """
 
     def __init__(
-        self, ledger: Ledger, *, ride_out_seconds: float = LEDGER_RETRY_SECONDS, thread_name: str = "batchrun-ledger"
+        self, ledger: RunLedger, *, ride_out_seconds: float = LEDGER_RETRY_SECONDS, thread_name: str = "batchrun-ledger"
     ) -> None:
         self.ledger = ledger
         self.ride_out_seconds = _ride_out_seconds(ledger, ride_out_seconds)

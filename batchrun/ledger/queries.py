@@ -7,7 +7,8 @@ their attempts (``batchrun show``), and what a run reads at its start (spend so 
 recent latencies). The
 write side (jobs, ingest, the lock and leases, claim and record, the response
 cache, user actions) is :class:`~batchrun.ledger.store.Ledger`; both work over
-the same engine, and neither calls the other.
+the same engine, and the Ledger passes on the three a run asks (so a run sees one
+:class:`~batchrun.ledger.protocol.RunLedger`); these queries never call the Ledger.
 """
 
 from __future__ import annotations

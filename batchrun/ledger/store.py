@@ -3,8 +3,10 @@
 Jobs, ingest, runs and the job lock, leases (claim, heartbeat, sweeps), outcomes
 and attempts (record), the response cache's look-up, the user's retry and cancel,
 exports. The read-only questions status, report and export ask are
-:class:`~batchrun.ledger.queries.LedgerQueries`, over the same engine; calling
-either from the event loop goes through :class:`~batchrun.ledger.facade.AsyncLedger`.
+:class:`~batchrun.ledger.queries.LedgerQueries`, over the same engine; the three a
+run asks (counts, spend so far, recent latencies) the Ledger answers too, so a run
+needs nothing but a :class:`~batchrun.ledger.protocol.RunLedger`. Calling either
+from the event loop goes through :class:`~batchrun.ledger.facade.AsyncLedger`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from batchrun.ledger.models import items as items_t
 from batchrun.ledger.models import jobs as jobs_t
 from batchrun.ledger.models import rate_buckets as buckets_t
 from batchrun.ledger.models import runs as runs_t
+from batchrun.ledger.queries import LedgerQueries
 from batchrun.spec import JobSpec
 from batchrun.states import ItemState, no_counts
 
@@ -168,15 +171,15 @@ _SQLITE_INSERT_ITEMS = (
 )
 
 # What a final outcome writes, and what going back to pending keeps of the last attempt.
-_FINAL_COLUMNS = (
+FINAL_COLUMNS = (
     "state", "status_code", "response", "output", "parsed", "validation_errors", "request_id", "error_class",
     "error_message", "input_tokens", "output_tokens", "latency_ms", "finished_at", "cost_usd", "request_hash",
     "cached_from", "followups",
 )
-_BACK_COLUMNS = ("status_code", "error_class", "error_message")
+BACK_COLUMNS = ("status_code", "error_class", "error_message")
 _NOT_FINAL = (ItemState.PENDING, ItemState.RUNNING)  # outcomes that leave the item unanswered
 # States in which an item has no answer: a success may land there, whoever holds the item.
-_UNANSWERED = (ItemState.PENDING, ItemState.RUNNING, ItemState.FAILED, ItemState.INVALID_OUTPUT)
+UNANSWERED = (ItemState.PENDING, ItemState.RUNNING, ItemState.FAILED, ItemState.INVALID_OUTPUT)
 _ATTEMPT_COLUMNS = tuple(f.name for f in dataclasses.fields(AttemptRecord) if f.name != "counted")
 # The writer's hot path on SQLite goes straight to the driver's executemany (as ingest does):
 # SQLAlchemy's per-row parameter processing cost about as much as the writes themselves.
@@ -188,13 +191,13 @@ _SQLITE_HELD = "WHERE id = ? AND lease_owner = ? AND lease_claim = ? AND state =
 # A success lands on an item that has no answer yet, whoever holds it (the first committed answer wins).
 _SQLITE_UNANSWERED = "WHERE id = ? AND state IN ('pending', 'running', 'failed', 'invalid_output')"
 _SQLITE_SET_FINAL = (
-    f"UPDATE items SET {', '.join(f'{c} = ?' for c in _FINAL_COLUMNS)}, lease_owner = NULL, lease_expires = NULL, "
+    f"UPDATE items SET {', '.join(f'{c} = ?' for c in FINAL_COLUMNS)}, lease_owner = NULL, lease_expires = NULL, "
     "lease_claim = NULL "
 )
 _SQLITE_FINISH = _SQLITE_SET_FINAL + _SQLITE_HELD
 _SQLITE_LAND = _SQLITE_SET_FINAL + _SQLITE_UNANSWERED
 _SQLITE_PUT_BACK = (
-    f"UPDATE items SET {', '.join(f'{c} = ?' for c in _BACK_COLUMNS)}, state = 'pending', lease_owner = NULL, "
+    f"UPDATE items SET {', '.join(f'{c} = ?' for c in BACK_COLUMNS)}, state = 'pending', lease_owner = NULL, "
     "lease_expires = NULL, lease_claim = NULL " + _SQLITE_HELD
 )
 
@@ -233,6 +236,24 @@ def _bind(outcome: Outcome) -> dict[str, Any]:
     return params
 
 
+def job_locked(job_id: int, holder: LockHolder) -> JobLockedError:
+    """The job is another live run's: whose, since when."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.since))
+    return JobLockedError(
+        f"job {job_id} is being worked by run {holder.run_id} "
+        f"(pid {holder.pid} on {holder.host}, since {since}); try again later"
+    )
+
+
+def lock_lost(job_id: int, run_id: str, holder: LockHolder | None) -> LockLostError:
+    """``run_id`` no longer holds the job lock: who took it over (``holder``, None once that run ended)."""
+    by = f"run {holder.run_id} (pid {holder.pid} on {holder.host})" if holder else "another run, since ended,"
+    return LockLostError(
+        f"job {job_id} was taken over by {by} while this run ({run_id}) was stalled past the lock's "
+        "staleness; this run stopped sending and wrote nothing more"
+    )
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -254,6 +275,7 @@ class Ledger:
         # file closes. One idle connection held open keeps the WAL in place whatever the
         # pool has open; SQLite checkpoints it as it fills.
         self._keeper = engine.raw_connection() if self.is_sqlite else None
+        self._queries = LedgerQueries(engine)
 
     @classmethod
     def open(cls, db: str | os.PathLike[str] | None) -> Ledger:
@@ -293,6 +315,32 @@ class Ledger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def reconnects(self) -> bool:
+        """Whether a call cut by a lost connection is worth retrying whole: PostgreSQL (a SQLite file's errors
+        are local, retrying them cannot help)."""
+        return not self.is_sqlite
+
+    @property
+    def shares_rate_budgets(self) -> bool:
+        """Whether the job's ``rpm``/``tpm`` budgets are kept here, one for all its runs: PostgreSQL (workers on
+        several hosts); a SQLite ledger's one run per job keeps its own."""
+        return not self.is_sqlite
+
+    # -- what a run reads (LedgerQueries' answers) -----------------------------
+
+    def counts(self, job_id: int) -> dict[str, int]:
+        """How many of the job's items are in each state (every state present)."""
+        return self._queries.counts(job_id)
+
+    def spent_usd(self, job_id: int) -> float:
+        """What the job's attempts have cost so far: its budget's spend."""
+        return self._queries.spent_usd(job_id)
+
+    def recent_latencies(self, job_id: int, limit: int) -> list[float]:
+        """Seconds taken by the job's latest ``limit`` clean attempts, oldest first."""
+        return self._queries.recent_latencies(job_id, limit)
 
     # -- jobs ---------------------------------------------------------------
 
@@ -517,12 +565,7 @@ class Ledger:
             raise self._lock_lost(conn, job_id, run_id)
 
     def _lock_lost(self, conn: Connection, job_id: int, run_id: str) -> LockLostError:
-        holder = self._holder(conn, job_id)
-        by = f"run {holder.run_id} (pid {holder.pid} on {holder.host})" if holder else "another run, since ended,"
-        return LockLostError(
-            f"job {job_id} was taken over by {by} while this run ({run_id}) was stalled past the lock's "
-            "staleness; this run stopped sending and wrote nothing more"
-        )
+        return lock_lost(job_id, run_id, self._holder(conn, job_id))
 
     def start_run(
         self, job_id: int, command: str, *, exclusive: bool, stale_after: float = 60.0, run_id: str | None = None
@@ -544,11 +587,7 @@ class Ledger:
                     dead = holder.host == host and not _pid_alive(holder.pid)
                     stale = now - holder.heartbeat > stale_after
                     if not (dead or stale):
-                        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.since))
-                        raise JobLockedError(
-                            f"job {job_id} is being worked by run {holder.run_id} "
-                            f"(pid {holder.pid} on {holder.host}, since {since}); try again later"
-                        )
+                        raise job_locked(job_id, holder)
                 conn.execute(
                     update(jobs_t)
                     .where(jobs_t.c.id == job_id)
@@ -789,16 +828,16 @@ class Ledger:
                 & (items_t.c.state == ItemState.RUNNING)
             )
             # (no IN list: an expanding parameter cannot go through executemany)
-            unanswered = or_(*(items_t.c.state == state for state in _UNANSWERED))
+            unanswered = or_(*(items_t.c.state == state for state in UNANSWERED))
             cleared = {"lease_owner": None, "lease_expires": None, "lease_claim": None}
             # Re-ask progress before put-backs: an item can have both in one batch (a stop
             # came right after its re-ask was noted), and the put-back ends the claim.
             for columns, guard, fixed, batch in (
-                (_FINAL_COLUMNS, unanswered, cleared, [o for o in outcomes if o.state == ItemState.SUCCEEDED]),
-                (_FINAL_COLUMNS, held, cleared,
+                (FINAL_COLUMNS, unanswered, cleared, [o for o in outcomes if o.state == ItemState.SUCCEEDED]),
+                (FINAL_COLUMNS, held, cleared,
                  [o for o in outcomes if o.state not in _NOT_FINAL and o.state != ItemState.SUCCEEDED]),
                 (("followups",), held, {}, [o for o in outcomes if o.state == ItemState.RUNNING]),
-                (_BACK_COLUMNS, held, {"state": ItemState.PENDING, **cleared},
+                (BACK_COLUMNS, held, {"state": ItemState.PENDING, **cleared},
                  [o for o in outcomes if o.state == ItemState.PENDING]),
             ):
                 if batch:
@@ -821,13 +860,13 @@ class Ledger:
             landed = [o for o in outcomes if o.state == ItemState.SUCCEEDED]
             if landed:
                 conn.exec_driver_sql(
-                    _SQLITE_LAND, [(*(getattr(o, c) for c in _FINAL_COLUMNS), o.item_id) for o in landed]
+                    _SQLITE_LAND, [(*(getattr(o, c) for c in FINAL_COLUMNS), o.item_id) for o in landed]
                 )
             finished = [o for o in outcomes if o.state not in _NOT_FINAL and o.state != ItemState.SUCCEEDED]
             if finished:
                 conn.exec_driver_sql(
                     _SQLITE_FINISH,
-                    [(*(getattr(o, c) for c in _FINAL_COLUMNS), o.item_id, run_id, o.claim) for o in finished],
+                    [(*(getattr(o, c) for c in FINAL_COLUMNS), o.item_id, run_id, o.claim) for o in finished],
                 )
             # Re-ask progress before put-backs (the put-back ends the claim; both can be in one batch).
             progress = [o for o in outcomes if o.state == ItemState.RUNNING]
@@ -837,7 +876,7 @@ class Ledger:
             if back:
                 conn.exec_driver_sql(
                     _SQLITE_PUT_BACK,
-                    [(*(getattr(o, c) for c in _BACK_COLUMNS), o.item_id, run_id, o.claim) for o in back],
+                    [(*(getattr(o, c) for c in BACK_COLUMNS), o.item_id, run_id, o.claim) for o in back],
                 )
 
     def find_cached(self, keys: Collection[str]) -> dict[str, CachedAnswer]:

@@ -38,6 +38,9 @@ The package, one module per concern:
   and streams;
 - ``answers``: the fake model (request keys, token counts, echo and schema-shaped answers);
 - ``faults``: the fault plan, each request's fate, the request-rate window;
+- ``ledger``: :class:`~batchrun.testing.ledger.InMemoryLedger`, a ledger stand-in for a runner's unit
+  tests (``from batchrun.testing.ledger import InMemoryLedger``; not imported here, so the server
+  alone loads no database code);
 - ``__main__``: the command line.
 
 Run it in its own process with::

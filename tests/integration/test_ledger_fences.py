@@ -2,7 +2,11 @@
 
 Each test reproduces one case of the issue with the ledger's own calls (both backends,
 real SQLite files and real PostgreSQL); tests/acceptance/test_stalls.py does the same
-with real processes frozen by SIGSTOP.
+with real processes frozen by SIGSTOP. The cases a run relies on through
+:class:`~batchrun.ledger.RunLedger` (case 2: a run that lost its lock, a worker learning
+what it still holds; outcomes landing only on the claim they answer; replayed claims and
+starts; the fenced orphan sweep; re-ask progress beside a put-back) run on the in-memory
+stand-in too, in tests/integration/test_ledger_contract.py.
 """
 
 from __future__ import annotations
@@ -71,38 +75,6 @@ def test_a_line_is_stored_once_whoever_writes_it(ledger: Ledger) -> None:
                 text("insert into items (job_id, line, custom_id, state, attempts) values (:j, 1, 'x', 'rejected', 0)"),
                 {"j": job_id},
             )
-
-
-def test_a_run_that_lost_its_lock_is_refused_claims_and_heartbeats(ledger: Ledger) -> None:
-    """Case 2: heartbeat and claim check the lock in their own transaction."""
-    job_id = make_job(ledger, 6)
-    old = ledger.start_run(job_id, "submit", exclusive=True)
-    assert {c.custom_id for c in ledger.claim(job_id, old, 2, 60, exclusive=True)} == {"c1", "c2"}
-    assert len(ledger.heartbeat(job_id, old, 60, exclusive=True)) == 2
-    make_stale(ledger, job_id)
-    new = ledger.start_run(job_id, "resume", exclusive=True)
-    assert ledger.requeue_orphans(job_id, new) == 2
-    with pytest.raises(LockLostError):
-        ledger.heartbeat(job_id, old, 60, exclusive=True)
-    with pytest.raises(LockLostError):
-        ledger.claim(job_id, old, 2, 60, exclusive=True)
-    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.RUNNING] == 0
-    # The new holder is not disturbed by the old one's end.
-    ledger.end_run(job_id, old, 75)
-    with pytest.raises(JobLockedError, match=new):
-        ledger.start_run(job_id, "resume", exclusive=True)
-
-
-def test_a_worker_learns_which_items_it_still_holds(ledger: Ledger) -> None:
-    """Case 2 (workers): the heartbeat returns the items still leased to the run."""
-    job_id = make_job(ledger, 4)
-    worker = ledger.start_run(job_id, "worker", exclusive=False)
-    claimed = ledger.claim(job_id, worker, 4, -1)  # leases already lapsed: the worker stalled
-    assert ledger.requeue_expired(job_id) == 4
-    other = ledger.start_run(job_id, "worker", exclusive=False)
-    ledger.claim(job_id, other, 2, 60)
-    assert ledger.heartbeat(job_id, worker, 60) == {}
-    assert ledger.heartbeat(job_id, other, 60) == {c.id: 0 for c in claimed[:2]}
 
 
 def test_a_crash_inside_an_ingest_batch_loses_no_line(
@@ -280,90 +252,6 @@ def test_a_stalled_session_is_ended_and_an_export_carries_on(pg_url: str) -> Non
         assert lines == list(range(1, 251))
     finally:
         ledger.close()
-
-
-def test_an_outcome_lands_only_on_the_claim_it_answers(ledger: Ledger) -> None:
-    """A worker stalled past its lease has its items swept back and then claims them again itself:
-    an outcome it had queued for the earlier claim (a put-back, a failure) must not end the new one,
-    or the item goes back to pending while the new claim's request is in flight, and is sent twice."""
-    job_id = make_job(ledger, 2)
-    run = ledger.start_run(job_id, "worker", exclusive=False)
-    first = ledger.claim(job_id, run, 2, -1, token=1)  # leases already lapsed: the run stalled
-    assert ledger.requeue_expired(job_id) == 2
-    again = ledger.claim(job_id, run, 2, 60, token=2)
-    assert [c.id for c in again] == [c.id for c in first] and {c.claim for c in again} == {2}
-    ledger.record(run, [Outcome(first[0].id, ItemState.PENDING, 1, claim=1),
-                        Outcome(first[1].id, ItemState.FAILED, 1, error_class="server_error", claim=1)], [])
-    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.RUNNING] == 2
-    assert ledger.heartbeat(job_id, run, 60) == {again[0].id: 2, again[1].id: 2}
-    ledger.record(run, [Outcome(again[0].id, ItemState.PENDING, 1, claim=2)], [])
-    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.PENDING] == 1
-
-
-def test_a_replayed_claim_returns_what_the_first_leased(ledger: Ledger) -> None:
-    """A claim whose commit lost its acknowledgement is replayed whole: it must hand back the items
-    the first one leased, not lease more that nobody works until the run ends."""
-    job_id = make_job(ledger, 10)
-    run = ledger.start_run(job_id, "worker", exclusive=False)
-    first = ledger.claim(job_id, run, 3, 60, token=7)
-    replay = ledger.claim(job_id, run, 3, 60, token=7)
-    assert replay == first
-    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.RUNNING] == 3
-    assert [c.custom_id for c in ledger.claim(job_id, run, 3, 60, token=8)] == ["c4", "c5", "c6"]
-
-
-def test_a_replayed_start_finds_its_own_run(ledger: Ledger) -> None:
-    """start_run replayed after a lost acknowledgement (the same run id) carries on, instead of
-    finding the job locked by itself."""
-    job_id = make_job(ledger, 1)
-    run = ledger.start_run(job_id, "submit", exclusive=True, run_id="a" * 16)
-    assert ledger.start_run(job_id, "submit", exclusive=True, run_id=run) == run
-    with pytest.raises(JobLockedError):
-        ledger.start_run(job_id, "submit", exclusive=True)
-
-
-def test_requeue_orphans_is_fenced_by_the_lock(ledger: Ledger) -> None:
-    """A run that stalled between taking the lock and putting orphans back must not, once woken, put
-    back the items of the run that took the job over meanwhile."""
-    job_id = make_job(ledger, 4)
-    slow = ledger.start_run(job_id, "resume", exclusive=True)
-    make_stale(ledger, job_id)
-    new = ledger.start_run(job_id, "resume", exclusive=True)
-    ledger.claim(job_id, new, 4, 60, exclusive=True, token=1)
-    with pytest.raises(LockLostError):
-        ledger.requeue_orphans(job_id, slow)
-    assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.RUNNING] == 4
-
-
-def test_re_ask_progress_and_a_put_back_in_one_batch_keep_the_re_ask(ledger: Ledger) -> None:
-    """A stop right after a re-ask was noted puts the item back in the same batch: the re-ask must
-    be kept, or the resume pays for the first answer again."""
-    job_id = make_job(ledger, 1)
-    run = ledger.start_run(job_id, "submit", exclusive=False)
-    item = ledger.claim(job_id, run, 1, 60, token=1)[0]
-    followups = '[["{}", "answer with a name"]]'
-    ledger.record(run, [Outcome(item.id, ItemState.RUNNING, 1, followups=followups, claim=1),
-                        Outcome(item.id, ItemState.PENDING, 1, claim=1)], [])
-    again = ledger.claim(job_id, run, 1, 60, token=2)[0]
-    assert again.followups == followups
-
-
-def test_a_late_answer_lands_on_an_item_another_run_failed(ledger: Ledger) -> None:
-    """The item's lease lapsed, another run took it and filed it failed (or invalid): the first run's
-    answer, paid for, still lands, since the item has none."""
-    job_id = make_job(ledger, 2)
-    slow = ledger.start_run(job_id, "worker", exclusive=False)
-    taken = ledger.claim(job_id, slow, 2, -1, token=1)
-    assert ledger.requeue_expired(job_id) == 2
-    other = ledger.start_run(job_id, "worker", exclusive=False)
-    ledger.claim(job_id, other, 2, 60, token=1)
-    ledger.record(other, [Outcome(taken[0].id, ItemState.FAILED, 5, error_class="bad_request", claim=1),
-                          Outcome(taken[1].id, ItemState.INVALID_OUTPUT, 3, error_class="schema_invalid", claim=1)], [])
-    ledger.record(slow, [Outcome(t.id, ItemState.SUCCEEDED, 1, status_code=200, output="late", claim=1) for t in taken],
-                  [])
-    assert [(r.state, r.output, r.error_class) for r in LedgerQueries(ledger.engine).iter_items(job_id)] == [
-        (ItemState.SUCCEEDED, "late", None), (ItemState.SUCCEEDED, "late", None),
-    ]
 
 
 class _Proxy:
