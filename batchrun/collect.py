@@ -9,8 +9,8 @@ job's Pydantic model when it has one (:mod:`batchrun.schemas`).
 thread with its own event loop for the synchronous form, as a task on the caller's loop for
 the ``async`` one; neither installs signal handlers — and reads the ledger for items that
 reached a finished state since its last look. A result counts once it is committed, so what
-it yields is what a crash would keep. Leaving the loop early (``break``, ``close()``, the
-``with`` block's end) stops the run cleanly: items in flight finish, the rest stay pending for
+it yields is what a crash would keep. Leaving the loop early (``break`` out of a ``for``
+loop, ``close()``, the ``with`` block's end) stops the run cleanly: items in flight finish, the rest stay pending for
 the next :func:`batchrun.resume`.
 """
 
@@ -216,7 +216,8 @@ class Finishing:
     """The results of a job as its items finish, while a run works it (:func:`as_finished`).
 
     Iterate it (once); ``result`` is the run's :class:`~batchrun.SubmitResult` once the
-    iteration has ended. ``close()`` (or the end of a ``with`` block) stops the run cleanly.
+    iteration has ended. Leaving the ``for`` loop early, ``close()`` or the end of a ``with``
+    block stops the run cleanly.
     """
 
     def __init__(self, ledger: Ledger, job_id: int, *, model: Any, poll_seconds: float, run: dict[str, Any]) -> None:
@@ -240,8 +241,17 @@ class Finishing:
         except BaseException as exc:  # noqa: BLE001 (raised in the caller's thread by __next__)
             self._failure = exc
 
-    def __iter__(self) -> Finishing:
-        return self
+    def __iter__(self) -> Iterator[Result]:
+        """The results; leaving a ``for`` loop over them early (``break``, an exception) stops the run."""
+        try:
+            while True:
+                try:
+                    result = next(self)
+                except StopIteration:
+                    return
+                yield result
+        finally:
+            self.close()
 
     def __next__(self) -> Result:
         if self._thread is None:

@@ -243,6 +243,16 @@ def test_leaving_as_finished_early_stops_the_run_and_resume_carries_on(ledger: L
     assert len(slow.log) <= 20 + 2  # at most the run's concurrency sent again
 
 
+def test_breaking_out_of_a_for_loop_stops_the_run(ledger: Ledger, db_url: str) -> None:
+    with FakeProviderServer(Faults(latency_s=0.2)) as slow:
+        job = submit(ledger, job_spec(slow, concurrency=2), records(20), run=False).job_id
+        finishing = as_finished(ledger, job, options=FAST, poll_seconds=0.05)
+        for _row in finishing:
+            break  # no close(), no with: the loop's end is enough
+        assert finishing.result is not None and finishing.result.exit_code == ExitCode.TEMPFAIL
+        assert LedgerQueries(ledger.engine).counts(job)[ItemState.PENDING] > 0
+
+
 def test_as_finished_works_inside_a_running_event_loop(ledger: Ledger, server: FakeProviderServer) -> None:
     job = submit(ledger, job_spec(server), records(5), run=False).job_id
 
