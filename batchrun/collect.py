@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -206,10 +207,11 @@ class _Stopper:
     def stop(self) -> None:
         with self._lock:
             self._asked = True
-            if self._runner is not None and self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(
-                    self._runner.request_stop, StopReason.STOP, "the caller stopped reading the results"
-                )
+            if self._runner is not None and self._loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the run has ended
+                    self._loop.call_soon_threadsafe(
+                        self._runner.request_stop, StopReason.STOP, "the caller stopped reading the results"
+                    )
 
 
 class Finishing:
