@@ -5,8 +5,9 @@ The library behind the ``batchrun`` command (README: "Python API")::
     import batchrun
 
     with batchrun.Ledger.open("ledger.db") as ledger:
-        result = batchrun.submit(ledger, batchrun.load_spec("job.toml"), "input.jsonl", output="out.jsonl")
-    print(result.counts, result.exit_code)
+        result = batchrun.submit(ledger, batchrun.load_spec("job.toml"), records, schema=Model)
+        for row in batchrun.results(ledger, result.job_id):
+            print(row.custom_id, row.status, row.output)
 
 The exceptions, states, stop reasons and exit codes are loaded with the package;
 everything else when it is first used, so ``import batchrun`` (and the
@@ -43,6 +44,7 @@ from batchrun.errors import (
 from batchrun.states import ExitCode, ItemState, StopReason
 
 if TYPE_CHECKING:
+    from batchrun.collect import Result, as_finished, as_finished_async, results, results_async
     from batchrun.export import ExportResult, export_job
     from batchrun.jobs import DryRun, PreparedJob, dry_run
     from batchrun.ledger import Ledger
@@ -61,13 +63,18 @@ _LAZY = {
     "Ledger": "batchrun.ledger",
     "Overrides": "batchrun.spec",
     "PreparedJob": "batchrun.jobs",
+    "Result": "batchrun.collect",
     "RunOptions": "batchrun.scheduler",
     "SubmitResult": "batchrun.submission",
+    "as_finished": "batchrun.collect",
+    "as_finished_async": "batchrun.collect",
     "dry_run": "batchrun.jobs",
     "export_job": "batchrun.export",
     "job_status": "batchrun.report",
     "list_jobs": "batchrun.listing",
     "load_spec": "batchrun.spec",
+    "results": "batchrun.collect",
+    "results_async": "batchrun.collect",
     "resume": "batchrun.submission",
     "resume_async": "batchrun.submission",
     "submit": "batchrun.submission",
@@ -100,6 +107,7 @@ __all__ = [
     "PreparedJob",
     "ProviderError",
     "RateLimitedError",
+    "Result",
     "RetryableError",
     "RunOptions",
     "SpecError",
@@ -107,11 +115,15 @@ __all__ = [
     "StoppedError",
     "SubmitResult",
     "UsageError",
+    "as_finished",
+    "as_finished_async",
     "dry_run",
     "export_job",
     "job_status",
     "list_jobs",
     "load_spec",
+    "results",
+    "results_async",
     "resume",
     "resume_async",
     "submit",

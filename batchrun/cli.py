@@ -20,11 +20,12 @@ from batchrun import interrupt
 from batchrun.errors import BatchrunError, LedgerWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
 from batchrun.export import FORMATS, export_job
-from batchrun.ledger import RETRY_FILTERS, Ledger, database_error_line, default_db_path, is_database_error
+from batchrun.ledger import RETRY_FILTERS, SHOW_FILTERS, Ledger, database_error_line, default_db_path, is_database_error
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
-from batchrun.states import OPEN_STATES, USER_RETRYABLE_STATES, ExitCode
+from batchrun.states import ALL_STATES, OPEN_STATES, USER_RETRYABLE_STATES, ExitCode
+from batchrun.tabular import INPUT_FORMATS
 
 if TYPE_CHECKING:
     from batchrun.batch import BatchOptions
@@ -266,7 +267,10 @@ def _show_result(result: SubmitResult, *, as_json: bool) -> None:
 
 @main.command()
 @click.argument("spec", required=False, type=click.Path(dir_okay=False))
-@click.option("--input", "input_path", required=True, type=click.Path(dir_okay=False), help="JSONL input file.")
+@click.option("--input", "input_path", required=True, type=click.Path(dir_okay=False, allow_dash=True),
+              help="Input file: JSONL, or .csv / .parquet (a row a record); - for standard input.")
+@click.option("--input-format", type=click.Choice(INPUT_FORMATS), default=None,
+              help="What --input - holds (default jsonl); a file's format is its suffix.")
 @click.option("--output", default=None, type=click.Path(dir_okay=False), help="Export here when the job finishes.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="results", show_default=True)
 @click.option("--errors", default=None, type=click.Path(dir_okay=False), help="Also write failed/invalid/rejected items here.")
@@ -315,6 +319,7 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
 
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
+    input_path = _input_file(input_path, kw.get("input_format"), db)
     if dry_run:
         from batchrun.jobs import dry_run as estimate
 
@@ -331,6 +336,22 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
             on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
         )
     _show_result(result, as_json=as_json)
+
+
+def _input_file(input_path: str, input_format: str | None, db: str | None) -> str:
+    """``--input``: the file, or for ``-`` standard input spooled to a file in the ledger's folder
+    (batchrun/spool.py), so that the same input finds the same job."""
+    from batchrun.tabular import input_format as format_of
+
+    if input_path != "-":
+        if input_format is not None and input_format != format_of(input_path):
+            raise UsageError(f"--input-format {input_format}: {input_path} is read as {format_of(input_path)} "
+                             "(by its suffix); --input-format is for --input -")
+        return input_path
+    from batchrun.ledger import resolve_db_url
+    from batchrun.spool import spool_dir, spool_stream
+
+    return str(spool_stream(spool_dir(resolve_db_url(db)), sys.stdin.buffer, input_format or "jsonl"))
 
 
 def _show_dry_run(report: DryRun, *, as_json: bool) -> None:
@@ -556,7 +577,8 @@ def list_jobs(as_json: bool, db: str | None) -> None:
 
 @main.command(name="export")
 @click.argument("job", type=int)
-@click.option("--output", required=True, type=click.Path(dir_okay=False), help="File to write (atomically).")
+@click.option("--output", required=True, type=click.Path(dir_okay=False, allow_dash=True),
+              help="File to write (atomically); - for standard output (the data only).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="results", show_default=True)
 @click.option("--errors", default=None, type=click.Path(dir_okay=False), help="Also write failed/invalid/rejected items here.")
 @click.option("--force", is_flag=True, help="Replace a file that is not this job's own earlier export.")
@@ -565,11 +587,20 @@ def list_jobs(as_json: bool, db: str | None) -> None:
 def export_cmd(job: int, output: str, fmt: str, errors: str | None, force: bool, db: str | None) -> None:
     """Write JOB's results: one line per input record, keyed by custom_id.
 
+    --format csv or parquet writes one row per record: custom_id, status, one
+    column per top-level field of a structured answer (else output), then
+    tokens, cost, attempts, latency and the error.
+
     \b
-    Example:
+    Examples:
       batchrun export 3 --output results.jsonl --errors errors.jsonl
       batchrun export 3 --output batch_output.jsonl --format openai-batch
+      batchrun export 3 --output results.parquet --format parquet
+      batchrun export 3 --output - | jq -c 'select(.status != "succeeded")'
     """
+    if output == "-":
+        _export_to_stdout(db, job, fmt, errors, force)
+        return
     with _open(db) as ledger:
         result = export_job(ledger, job, output, fmt=fmt, errors=errors, force=force, handle_signals=True)
     click.echo(f"output: {result.path} ({result.lines} lines)")
@@ -579,13 +610,28 @@ def export_cmd(job: int, output: str, fmt: str, errors: str | None, force: bool,
 
 
 
-def _parse_where(expr: str | None) -> dict[str, Any]:
+def _export_to_stdout(db: str | None, job: int, fmt: str, errors: str | None, force: bool) -> None:
+    """``export --output -``: the data and nothing else on stdout. A reader that goes away early
+    (``| head``) ends the command quietly with 141, as a shell's SIGPIPE would."""
+    import os
+
+    stdout = sys.stdout.buffer
+    try:
+        with _open(db) as ledger:
+            export_job(ledger, job, stdout, fmt=fmt, errors=errors, force=force, handle_signals=True)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + 13)  # 128 + SIGPIPE
+
+
+def _parse_where(expr: str | None, keys: tuple[str, ...] = RETRY_FILTERS) -> dict[str, Any]:
     where: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in (expr or "").split(","))):
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or key not in RETRY_FILTERS:
-            raise UsageError(f"--where {expr!r}: expected KEY=VALUE[,KEY=VALUE] with KEY one of {', '.join(RETRY_FILTERS)}")
+        if not sep or key not in keys:
+            raise UsageError(f"--where {expr!r}: expected KEY=VALUE[,KEY=VALUE] with KEY one of {', '.join(keys)}")
         where[key] = int(value) if key == "status_code" and value.strip().isdigit() else value.strip()
     return where
 
@@ -663,6 +709,46 @@ def revalidate(job: int, schema_path: str | None, as_json: bool, db: str | None)
         if ids:
             shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
             click.echo(f"  {label}: {shown}")
+
+
+@main.command(short_help="A job's items: the request as sent, each attempt, the answer or error.")
+@click.argument("job", type=int)
+@click.argument("custom_id", required=False)
+@click.option("--where", "where", default=None, metavar="KEY=VALUE",
+              help=f"Only items matching KEY=VALUE[,KEY=VALUE] (KEY: {', '.join(SHOW_FILTERS)}), "
+                   "e.g. state=failed or error_class=schema_invalid.")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True, help="Show at most N items.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per item, a line each.")
+@db_option
+@handle_errors
+def show(job: int, custom_id: str | None, where: str | None, limit: int, as_json: bool, db: str | None) -> None:
+    """Show JOB's items one by one (CUSTOM_ID's alone): the request as sent,
+    each re-ask, each attempt (status, error, latency, tokens, cost), and the
+    final answer or the error with its raw text. Nothing is sent.
+
+    \b
+    Examples:
+      batchrun show 3 r17
+      batchrun show 3 --where state=failed --limit 5
+      batchrun show 3 --where error_class=schema_invalid --json | jq .reasks
+    """
+    from batchrun.browse import render_item, show_items
+
+    chosen = _parse_where(where, SHOW_FILTERS)
+    if "state" in chosen and chosen["state"] not in ALL_STATES:
+        raise UsageError(f"--where state={chosen['state']}: expected one of {', '.join(ALL_STATES)}")
+    with _open(db) as ledger:
+        views = show_items(ledger, job, custom_id, chosen, limit=limit)
+    if custom_id is not None and not views:
+        raise UsageError(f"job {job} has no item {custom_id!r}" + (f" matching --where {where}" if where else ""))
+    if as_json:
+        for view in views:
+            click.echo(orjson.dumps(view.to_json()).decode())
+        return
+    if not views:
+        click.echo(f"batchrun: no items of job {job}" + (f" match --where {where}" if where else ""), err=True)
+        return
+    click.echo("\n\n".join(render_item(view) for view in views))
 
 
 @main.command()

@@ -1,4 +1,8 @@
-"""Export a job's items from the ledger to JSONL files, atomically.
+"""Export a job's items from the ledger to files, atomically, or to a stream (standard output).
+
+Formats: ``results`` and the providers' batch line shapes (JSONL), and ``csv`` / ``parquet``:
+the ``results`` fields as flat columns (:func:`table_columns`), one per top-level field of a
+structured answer, written a chunk at a time by :mod:`batchrun.tabular`.
 
 A file is written to a temporary name in the same folder, fsynced and renamed
 over the target, so a reader sees the old file or the new one, never half of
@@ -19,10 +23,10 @@ import hashlib
 import os
 import stat
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -32,15 +36,18 @@ from batchrun.ledger import ItemRow, Ledger, LedgerQueries
 from batchrun.provider_registry import BATCH_FORMATS, kinds_of_format, provider_entry
 from batchrun.providers.batch_formats import RESULTS_LINES
 from batchrun.states import ERROR_STATES, ItemState
+from batchrun.tabular import Column, csv_chunks, parquet_chunks
 
-FORMATS = ("results", *BATCH_FORMATS)  # ours, then each provider batch API's line shape
+TABLE_FORMATS = ("csv", "parquet")
+FORMATS = ("results", *BATCH_FORMATS, *TABLE_FORMATS)  # ours, each provider batch API's line shape, tables
+STREAM_NAME = "-"  # an export to a stream (``--output -``) has this as its path
 TEMP_SUFFIX = ".tmp"
 _TEMP_STEM = 200  # of the target's name in a temporary name: room is left for the random part (255 in all)
 
 
 @dataclass(frozen=True)
 class ExportResult:
-    path: Path
+    path: Path  # Path("-") for an export to a stream
     lines: int
     errors_path: Path | None
     error_lines: int
@@ -107,6 +114,64 @@ def errors_line(row: ItemRow) -> dict[str, Any]:
         "validation_errors": orjson.loads(row.validation_errors) if row.validation_errors else None,
         "raw": row.output if row.state == ItemState.INVALID_OUTPUT else row.response,
     }
+
+
+# The columns of a flat results file besides the answer's: (name, JSON Schema type).
+_LEAD_COLUMNS = (Column("custom_id", "string"), Column("status", "string"))
+_TAIL_COLUMNS = (
+    Column("input_tokens", "integer"), Column("output_tokens", "integer"), Column("cost_usd", "number"),
+    Column("attempts", "integer"), Column("latency_ms", "number"), Column("error_class", "string"),
+    Column("error_message", "string"), Column("cached", "boolean"),
+)
+_SIMPLE_TYPES = ("string", "integer", "number", "boolean")
+
+
+def table_columns(schema: Mapping[str, Any] | None) -> tuple[Column, ...]:
+    """The columns of a ``csv`` / ``parquet`` export for a job with this output schema (None: none).
+
+    ``custom_id``, ``status``, then one column per top-level property of an object schema (named
+    ``output.NAME`` if NAME is one of the other columns; a nested value is its JSON text), or one
+    ``output`` column, then the usage, cost, attempts, latency, error and cached columns.
+    """
+    answer = [Column("output", "string" if schema is None else None)]
+    properties = schema.get("properties") if schema is not None else None
+    if isinstance(properties, Mapping) and properties:
+        taken = {c.name for c in (*_LEAD_COLUMNS, *_TAIL_COLUMNS)}
+        answer = [Column(f"output.{name}" if name in taken else name, _simple_type(sub), name)
+                  for name, sub in properties.items()]
+    return (*_LEAD_COLUMNS, *answer, *_TAIL_COLUMNS)
+
+
+def _simple_type(schema: Any) -> str | None:
+    """The one scalar JSON type a property's values have (null aside), else None (written as JSON text)."""
+    if not isinstance(schema, Mapping):
+        return None
+    kind = schema.get("type")
+    kinds = [k for k in (kind if isinstance(kind, list) else [kind]) if k != "null"]
+    if len(kinds) == 1 and kinds[0] in _SIMPLE_TYPES:
+        return str(kinds[0])
+    if kind is None and "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        return "string"
+    return None
+
+
+def table_row(line: Mapping[str, Any], columns: Iterable[Column]) -> dict[str, Any]:
+    """A ``results`` line (:func:`results_line`) as one flat row of ``columns``."""
+    usage = line["usage"] or {}
+    error = line["error"] or {}
+    output = line["output"]
+    row: dict[str, Any] = {
+        "custom_id": line["custom_id"], "status": line["status"],
+        "input_tokens": usage.get("input_tokens"), "output_tokens": usage.get("output_tokens"),
+        "cost_usd": usage.get("cost_usd"), "attempts": line["attempts"], "latency_ms": line["latency_ms"],
+        "error_class": error.get("class"), "error_message": error.get("message"), "cached": line.get("cached", False),
+    }
+    for column in columns:
+        if column.field is not None:
+            row[column.name] = output.get(column.field) if isinstance(output, Mapping) else None
+        elif column.name == "output":
+            row["output"] = output
+    return row
 
 
 def file_sha256(path: Path) -> str:
@@ -271,7 +336,7 @@ def _json_lines(lines: Iterable[dict[str, Any]]) -> Iterator[bytes]:
 def export_job(
     ledger: Ledger,
     job_id: int,
-    output: str | os.PathLike[str],
+    output: str | os.PathLike[str] | IO[bytes],
     *,
     fmt: str = "results",
     errors: str | os.PathLike[str] | None = None,
@@ -281,6 +346,8 @@ def export_job(
 ) -> ExportResult:
     """Write the job's items to ``output`` (one line per input record) and, if asked, the errors file.
 
+    ``output`` is a file name, or a binary stream (``sys.stdout.buffer`` for ``--output -``):
+    written as it is read, not atomically and not recorded as an export of the job.
     ``should_stop`` is asked between lines: True stops with StoppedError, and the
     file being written is left as it was. With ``handle_signals``, SIGINT/SIGTERM
     do that (:func:`batchrun.interrupt.holding`), and the StoppedError names the
@@ -293,7 +360,8 @@ def export_job(
         try:
             return _export(ledger, job_id, output, fmt=fmt, errors=errors, force=force, should_stop=stop_requested)
         except StoppedError as exc:
-            again = export_command(job_id, Path(output).absolute(), fmt, Path(errors).absolute() if errors else None)
+            target = STREAM_NAME if _is_stream(output) else Path(output).absolute()  # type: ignore[arg-type]
+            again = export_command(job_id, target, fmt, Path(errors).absolute() if errors else None)
             raise StoppedError(f"{interrupt.received() or 'signal'}: {exc.message}; write it with: {again}") from exc
 
 
@@ -311,10 +379,14 @@ def export_command(
             + (f" --errors {errors}" if errors else ""))
 
 
+def _is_stream(output: object) -> bool:
+    return hasattr(output, "write")
+
+
 def _export(
     ledger: Ledger,
     job_id: int,
-    output: str | os.PathLike[str],
+    output: str | os.PathLike[str] | IO[bytes],
     *,
     fmt: str,
     errors: str | os.PathLike[str] | None,
@@ -332,13 +404,16 @@ def _export(
             f"--format {fmt} holds {' or '.join(kinds_of_format(fmt))} answers, but job {job_id} is a "
             f"{kind} job; use --format results or {provider_entry(kind).batch_format}"
         )
-    path = Path(output).absolute()
+    stream: IO[bytes] | None = output if _is_stream(output) else None  # type: ignore[assignment]
+    path = Path(STREAM_NAME) if stream is not None else Path(output).absolute()  # type: ignore[arg-type]
     errors_path = Path(errors).absolute() if errors else None
     if errors_path == path:
         raise ExportError("--errors must name a different file than --output")
-    check_target(ledger, job_id, path, force=force)
+    if stream is None:
+        check_target(ledger, job_id, path, force=force)
     if errors_path:
         check_target(ledger, job_id, errors_path, force=force)
+    columns = table_columns(spec.output.schema) if fmt in TABLE_FORMATS else ()
 
     queries = LedgerQueries(ledger.engine)
     shadowed = queries.shadowed_rejections(job_id)
@@ -347,28 +422,72 @@ def _export(
         for row in queries.iter_items(job_id):
             if row.item_id in shadowed:
                 continue  # its custom_id belongs to another line; it is listed in the errors file
-            if batch_line is None:
-                yield results_line(row, structured=structured)
-            else:
+            if batch_line is not None:
                 yield batch_line(job_id, row, _error(row))
+            elif columns:
+                yield table_row(results_line(row, structured=structured), columns)
+            else:
+                yield results_line(row, structured=structured)
 
-    def write(target: Path, kind: str, rows: Iterable[dict[str, Any]]) -> int:
+    def main_chunks(rows: _Counted) -> Iterator[bytes]:
+        if fmt == "csv":
+            return csv_chunks(columns, rows)
+        if fmt == "parquet":
+            return parquet_chunks(columns, rows)
+        return _json_lines(rows)
+
+    def write(target: Path, kind: str, chunks: Iterable[bytes], rows: _Counted) -> int:
         # The hash is recorded before the rename: a crash between the two must not leave this
         # job's own file looking foreign to the next export (a hash of a file that never
         # lands is harmless: it only lets this very content be replaced).
-        def record(sha: str, count: int) -> None:
-            ledger.record_export(job_id, str(target), kind, sha, count)
+        def record(sha: str, _chunks: int) -> None:
+            ledger.record_export(job_id, str(target), kind, sha, rows.count)
 
         try:
-            return write_atomic(target, _json_lines(rows), should_stop=should_stop, before_rename=record)[0]
+            write_atomic(target, chunks, should_stop=should_stop, before_rename=record)
         except OSError as exc:
             raise ExportWriteError(
                 f"{target}: cannot write: {exc.strerror or exc}; the results are safe in the ledger: "
                 f"write them elsewhere with: batchrun export {job_id} --output OTHER"
             ) from exc
+        return rows.count
 
-    lines = write(path, fmt, main_lines())
+    main = _Counted(main_lines())
+    if stream is not None:
+        write_stream(stream, main_chunks(main), should_stop=should_stop)
+        lines = main.count
+    else:
+        lines = write(path, fmt, main_chunks(main), main)
     error_lines = 0
     if errors_path:
-        error_lines = write(errors_path, "errors", (errors_line(r) for r in queries.iter_items(job_id) if r.state in ERROR_STATES))
+        failed = _Counted(errors_line(r) for r in queries.iter_items(job_id) if r.state in ERROR_STATES)
+        error_lines = write(errors_path, "errors", _json_lines(failed), failed)
     return ExportResult(path, lines, errors_path, error_lines)
+
+
+class _Counted:
+    """The rows of a file being written, counted as they are taken (lines or table rows)."""
+
+    def __init__(self, rows: Iterable[dict[str, Any]]) -> None:
+        self._rows = iter(rows)
+        self.count = 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        row = next(self._rows)
+        self.count += 1
+        return row
+
+
+def write_stream(stream: IO[bytes], chunks: Iterable[bytes], *, should_stop: Callable[[], bool] | None = None) -> None:
+    """Write ``chunks`` to ``stream`` as they come, then flush it; ``should_stop`` is asked before each chunk.
+
+    A reader that goes away (a closed pipe) raises BrokenPipeError here.
+    """
+    for chunk in chunks:
+        if should_stop and should_stop():
+            raise StoppedError("stopped while writing to standard output; what was written is incomplete")
+        stream.write(chunk)
+    stream.flush()

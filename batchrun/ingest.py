@@ -1,7 +1,8 @@
-"""Stream a JSONL input into ledger items, one bounded batch at a time.
+"""Stream an input file into ledger items, one bounded batch at a time.
 
-Every line becomes exactly one item: a request ready to send, or a
-``rejected`` item that keeps its line number and the reason.
+The input is JSONL, or CSV or Parquet (by the file's suffix: :mod:`batchrun.tabular`), each
+row a record. Every line (row) becomes exactly one item: a request ready to send, or a
+``rejected`` item that keeps its line (row) number and the reason.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from batchrun.ledger import Ledger, ride_out
 from batchrun.providers import Provider
 from batchrun.spec import JobSpec, Template, TemplateFieldError
 from batchrun.states import ItemState
+from batchrun.tabular import RowProblem, input_format, read_csv, read_parquet
 
 INSERT_BATCH = 5000
 RENEW_CHECK_LINES = 256  # lines between two looks at the clock (is a batch due for the lock's sake?)
@@ -150,6 +152,39 @@ def _refused(raw: bytes, exc: orjson.JSONDecodeError) -> _BadLine:
     return _BadLine("invalid_json", f"not valid JSON: {exc}")
 
 
+def iter_records(
+    path: str | os.PathLike[str], max_bytes: int, *, after: int = 0
+) -> Iterator[tuple[int, dict[str, Any] | _BadLine | None]]:
+    """(line, record or why it is bad) for each line of a JSONL file or row of a CSV or Parquet file.
+
+    The JSONL lines up to ``after`` (stored by an earlier ingest) come as (line, None), unparsed.
+    """
+    fmt = input_format(path)
+    if fmt == "jsonl":
+        with _open_input(path) as f:
+            for line, raw in iter_lines(f, max_bytes):
+                if line <= after:
+                    yield line, None
+                    continue
+                try:
+                    record = _parse_line(raw, max_bytes)
+                except _BadLine as bad:
+                    yield line, bad
+                else:
+                    yield line, record
+        return
+    rows = read_csv(path, max_bytes) if fmt == "csv" else read_parquet(path)
+    for line, row in rows:
+        yield line, _BadLine(row.error_class, row.reason) if isinstance(row, RowProblem) else row
+
+
+def _build(builder: RequestBuilder, got: dict[str, Any] | _BadLine | None, line: int) -> tuple[str, str | None, str]:
+    if isinstance(got, _BadLine):
+        raise got
+    assert got is not None  # only lines an earlier ingest stored come unparsed, and they are skipped
+    return builder.build(got, line)
+
+
 class SeenIds:
     """The custom_ids met so far, in bounded memory: a set for the first ``in_memory``, then a
     private temporary SQLite file (pages spill to disk; SQLite deletes it on close), so checking
@@ -201,11 +236,11 @@ def check_input(
     """
     stats = IngestStats()
     max_bytes = builder.spec.run.max_line_bytes
-    with _open_input(path) as f, SeenIds() as seen_ids:
-        for line, raw in iter_lines(f, max_bytes):
+    with SeenIds() as seen_ids:
+        for line, got in iter_records(path, max_bytes):
             stats.lines += 1
             try:
-                custom_id, url, body = builder.build(_parse_line(raw, max_bytes), line)
+                custom_id, url, body = _build(builder, got, line)
                 if not seen_ids.add(custom_id):
                     raise _BadLine("duplicate_custom_id", f"custom_id {custom_id!r} appears twice")
                 stats.accepted += 1
@@ -265,35 +300,33 @@ def ingest(
             on_batch(stats)
 
     stop_if_asked("before its first line")
-    with _open_input(path) as f:
-        for line, raw in iter_lines(f, max_bytes):
-            stats.lines += 1
-            if line <= start_after:
-                continue
-            try:
-                record = _parse_line(raw, max_bytes)
-                custom_id, url, body = builder.build(record, line)
-                batch.append({"line": line, "custom_id": custom_id, "url": url, "body": body, "state": ItemState.PENDING})
-                stats.accepted += 1
-            except _BadLine as bad:
-                custom_id = _fallback_custom_id(raw, line)
-                batch.append(
-                    {
-                        "line": line,
-                        "custom_id": custom_id,
-                        "state": ItemState.REJECTED,
-                        "error_class": bad.error_class,
-                        "error_message": bad.reason,
-                    }
-                )
-                stats.rejected += 1
-                _note(stats, line, bad.reason)
-            if len(batch) >= INSERT_BATCH or (
-                line % RENEW_CHECK_LINES == 0 and time.monotonic() - written_at > renew_every
-            ):
-                flush()
-                stop_if_asked(f"at line {line}")
-        flush()
+    for line, got in iter_records(path, max_bytes, after=start_after):
+        stats.lines += 1
+        if line <= start_after:
+            continue
+        try:
+            custom_id, url, body = _build(builder, got, line)
+            batch.append({"line": line, "custom_id": custom_id, "url": url, "body": body, "state": ItemState.PENDING})
+            stats.accepted += 1
+        except _BadLine as bad:
+            custom_id = _fallback_custom_id(got, line)
+            batch.append(
+                {
+                    "line": line,
+                    "custom_id": custom_id,
+                    "state": ItemState.REJECTED,
+                    "error_class": bad.error_class,
+                    "error_message": bad.reason,
+                }
+            )
+            stats.rejected += 1
+            _note(stats, line, bad.reason)
+        if len(batch) >= INSERT_BATCH or (
+            line % RENEW_CHECK_LINES == 0 and time.monotonic() - written_at > renew_every
+        ):
+            flush()
+            stop_if_asked(f"at line {line}")
+    flush()
     return stats
 
 
@@ -302,14 +335,12 @@ def _note(stats: IngestStats, line: int, reason: str) -> None:
         stats.rejections.append((line, reason))
 
 
-def _fallback_custom_id(raw: bytes | None, line: int) -> str:
+def _fallback_custom_id(got: dict[str, Any] | _BadLine | None, line: int) -> str:
     """The key of a rejected line: its own custom_id/id when it has a usable one, else its line number."""
-    if raw:
+    if isinstance(got, dict):
         try:
-            record = orjson.loads(raw)
-            if isinstance(record, dict):
-                return _custom_id(record, line)
-        except (orjson.JSONDecodeError, _BadLine):
+            return _custom_id(got, line)
+        except _BadLine:
             pass
     return str(line)
 
@@ -329,11 +360,10 @@ def read_request(path: str | os.PathLike[str], builder: RequestBuilder, line: in
     InputError names the file, the line and what is wrong with it.
     """
     max_bytes = builder.spec.run.max_line_bytes
-    with _open_input(path) as f:
-        for number, raw in iter_lines(f, max_bytes):
-            if number == line:
-                try:
-                    return builder.build(_parse_line(raw, max_bytes), line)
-                except _BadLine as bad:
-                    raise InputError(f"{path}:{line}: {bad.reason}") from None
+    for number, got in iter_records(path, max_bytes):
+        if number == line:
+            try:
+                return _build(builder, got, line)
+            except _BadLine as bad:
+                raise InputError(f"{path}:{line}: {bad.reason}") from None
     raise InputError(f"{path}: has no line {line}")

@@ -194,6 +194,7 @@ class OutputSpec:
 
     schema: Mapping[str, Any] | None = None
     schema_file: str | None = None
+    schema_model: str | None = None  # "module:Model": the Pydantic model the schema is made from (batchrun.schemas)
     name: str = "output"
     strict: bool | None = None  # None: strict when the schema allows it
     validation_retries: int = 2
@@ -317,6 +318,7 @@ class JobSpec:
         data.pop("name")
         data.pop("pricing")
         data["output"].pop("schema_file")
+        data["output"].pop("schema_model")  # where the schema came from; the schema itself counts
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     def with_overrides(self, overrides: Overrides) -> JobSpec:
@@ -336,6 +338,27 @@ class JobSpec:
             run = dataclasses.replace(run, **overrides.run)
             _check_run(run, "command line")
         return dataclasses.replace(self, provider=provider, run=run)
+
+    def with_output_schema(self, schema: type | Mapping[str, Any]) -> JobSpec:
+        """This spec with ``schema`` as its ``[output] schema``: a Pydantic model class (its JSON Schema;
+        the job's results then come back as its instances) or a JSON Schema. SpecError if it is neither."""
+        from batchrun.schemas import ModelError, check_model, model_schema, remember
+        from batchrun.validate import check_schema
+
+        model = None
+        try:
+            if isinstance(schema, Mapping):
+                schema_dict = dict(schema)
+            else:
+                model = remember(check_model(schema))
+                schema_dict = model_schema(schema)
+            check_schema(schema_dict)
+        except ModelError as exc:
+            raise SpecError(f"schema: {exc}") from None
+        except ValueError as exc:
+            raise SpecError(f"schema: not a valid JSON Schema (draft 2020-12): {exc}") from None
+        output = dataclasses.replace(self.output, schema=schema_dict, schema_file=None, schema_model=model)
+        return dataclasses.replace(self, output=output)
 
     def price(self) -> Price | None:
         """USD per million tokens for this job: [pricing] over the model's list price."""
@@ -581,7 +604,10 @@ def _parse_output(table: Mapping[str, Any], where: str, base_dir: Path) -> Outpu
     schema_file: str | None = None
     if raw is None:
         return OutputSpec(name=name, validation_retries=retries, strict=None if strict == "auto" else strict)
-    if isinstance(raw, str):
+    schema_model: str | None = None
+    if isinstance(raw, str) and _is_model_ref(raw):
+        schema, schema_model = _model_schema(raw, where, base_dir), raw
+    elif isinstance(raw, str):
         schema_path = (base_dir / raw).resolve()
         schema_file = str(schema_path)
         try:
@@ -604,10 +630,27 @@ def _parse_output(table: Mapping[str, Any], where: str, base_dir: Path) -> Outpu
     return OutputSpec(
         schema=schema,
         schema_file=schema_file,
+        schema_model=schema_model,
         name=name,
         strict=None if strict == "auto" else strict,
         validation_retries=retries,
     )
+
+
+def _is_model_ref(raw: str) -> bool:
+    from batchrun.schemas import is_model_ref
+
+    return is_model_ref(raw)
+
+
+def _model_schema(ref: str, where: str, base_dir: Path) -> dict[str, Any]:
+    """The JSON Schema of the Pydantic model ``[output] schema = "module:Model"`` names (the spec's folder on the path)."""
+    from batchrun.schemas import ModelError, import_model, model_schema
+
+    try:
+        return model_schema(import_model(ref, [base_dir]))
+    except ModelError as exc:
+        raise SpecError(f"{where}: [output] schema = {ref!r}: {exc}") from None
 
 
 def _check_base_url(base_url: str, where: str) -> None:

@@ -2,7 +2,9 @@
 
 - :func:`submit`: find the job for a spec and input content or create it and ingest
   the input, refuse output files it may not replace, run it (unless ``run=False``),
-  and export it once it is finished;
+  and export it once it is finished. The input is a file (JSONL, CSV, Parquet) or any
+  iterable of dicts, spooled to a file first (batchrun/spool.py) so that the same
+  records find the same job;
 - :func:`resume`: carry on a job (an ingest a crash interrupted, then the run), and export it;
 - :func:`submit_async`, :func:`resume_async`: the same from a running event loop; the
   synchronous ledger phases (ingest, export) run in a thread.
@@ -23,14 +25,14 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from batchrun import interrupt
 from batchrun.batch import BatchOptions, BatchRunner
-from batchrun.errors import BatchrunError, ExportWriteError, StoppedError
+from batchrun.errors import BatchrunError, ExportWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
 from batchrun.export import ExportResult, check_format, check_target, export_command, export_job
 from batchrun.jobs import PreparedJob, RunSummary, finish_interrupted_ingest, prepare_job, run_job
@@ -41,6 +43,8 @@ from batchrun.spec import JobSpec, Overrides
 from batchrun.states import ExitCode, ItemState, StopReason
 
 PathArg = str | os.PathLike[str]
+# An input file, or the records themselves (each a dict, as a JSONL line would be).
+InputArg = PathArg | Iterable[Mapping[str, Any]]
 # Called when the run starts, with the runner and how many items it has to work; an awaitable
 # it returns (a progress display) runs beside the run and is cancelled when the run ends.
 OnStart = Callable[[JobRunner, int], Awaitable[None] | None]
@@ -99,6 +103,11 @@ class _Target:
     errors: PathArg | None
     force: bool
 
+    def __post_init__(self) -> None:
+        if self.output is not None and str(self.output) == "-":
+            raise UsageError("--output -: a submit or resume writes its output to a file; "
+                             "for standard output, run: batchrun export JOB --output -")
+
     def check(self, ledger: Ledger, job_id: int) -> None:
         """Refuse an unknown format and output files we may not replace, before anything is sent."""
         if self.output:
@@ -111,12 +120,13 @@ class _Target:
 def submit(
     ledger: Ledger,
     spec: JobSpec,
-    input_path: PathArg,
+    input_path: InputArg,
     *,
     output: PathArg | None = None,
     fmt: str = "results",
     errors: PathArg | None = None,
     force: bool = False,
+    schema: type | Mapping[str, Any] | None = None,
     new: bool = False,
     strict: bool = False,
     run: bool = True,
@@ -130,16 +140,20 @@ def submit(
 ) -> SubmitResult:
     """Submit ``input_path`` under ``spec`` and work it to the end; export to ``output`` when it is finished.
 
+    ``input_path`` is a file, or an iterable of dicts (spooled to a file in the ledger's folder).
+    ``schema`` (a Pydantic model class, or a JSON Schema) replaces the spec's ``[output] schema``.
     The same spec and input content find the existing job and carry it on (``new``:
     always a new job); ``strict`` refuses the whole input if a line is bad.
     ``overrides`` are the run-time settings that win over the stored spec.
     ``on_prepared`` gets the job once it is stored, before the run.
     """
     target = _Target(output, fmt, errors, force)
+    spec = spec.with_output_schema(schema) if schema is not None else spec
     if handle_signals:
         interrupt.stop_point("before the job was stored (nothing was sent); run the same command again to carry on")
+    path = input_file(ledger, input_path)
     with _holding(handle_signals) as should_stop:
-        prepared = prepare_job(ledger, spec, input_path, new=new, strict=strict, should_stop=should_stop)
+        prepared = prepare_job(ledger, spec, path, new=new, strict=strict, should_stop=should_stop)
     target.check(ledger, prepared.job_id)
     if on_prepared:
         on_prepared(prepared)
@@ -189,12 +203,13 @@ def resume(
 async def submit_async(
     ledger: Ledger,
     spec: JobSpec,
-    input_path: PathArg,
+    input_path: InputArg,
     *,
     output: PathArg | None = None,
     fmt: str = "results",
     errors: PathArg | None = None,
     force: bool = False,
+    schema: type | Mapping[str, Any] | None = None,
     new: bool = False,
     strict: bool = False,
     run: bool = True,
@@ -207,7 +222,9 @@ async def submit_async(
 ) -> SubmitResult:
     """:func:`submit` on the running loop: the ingest and the export run in a thread; no signal handlers."""
     target = _Target(output, fmt, errors, force)
-    prepared = await asyncio.to_thread(prepare_job, ledger, spec, input_path, new=new, strict=strict)
+    spec = spec.with_output_schema(schema) if schema is not None else spec
+    path = await asyncio.to_thread(input_file, ledger, input_path)
+    prepared = await asyncio.to_thread(prepare_job, ledger, spec, path, new=new, strict=strict)
     await asyncio.to_thread(target.check, ledger, prepared.job_id)
     if on_prepared:
         on_prepared(prepared)
@@ -240,6 +257,15 @@ async def resume_async(
     summary = await _work(ledger, job_id, overrides, options or RunOptions(command="resume"), sender,
                           batch, on_start, handle_signals=False)
     return await asyncio.to_thread(_finish, ledger, summary, target, None, None)
+
+
+def input_file(ledger: Ledger, input_path: InputArg) -> PathArg:
+    """The file to submit: ``input_path`` itself, or the records spooled to a file named by their content."""
+    if isinstance(input_path, (str, os.PathLike)):
+        return input_path
+    from batchrun.spool import spool_dir, spool_records
+
+    return spool_records(spool_dir(ledger.url), input_path)
 
 
 def _holding(handle_signals: bool) -> contextlib.AbstractContextManager[Callable[[], bool] | None]:

@@ -8,19 +8,32 @@ from batchrun.ledger.engine import database_error_line, default_db_path, is_data
 from batchrun.ledger.engine import LEDGER_RETRY_SECONDS
 from batchrun.ledger.facade import AsyncLedger, ride_out
 from batchrun.ledger.protocol import RunLedger
-from batchrun.ledger.queries import AttemptTotals, Distribution, ErrorGroup, ItemRow, LedgerQueries, SharedOutputs
+from batchrun.ledger.queries import (
+    SHOW_FILTERS,
+    AttemptRow,
+    AttemptTotals,
+    Distribution,
+    ErrorGroup,
+    ItemDetail,
+    ItemRow,
+    LedgerQueries,
+    SharedOutputs,
+)
 from batchrun.ledger.store import RETRY_FILTERS, AttemptRecord, CachedAnswer, ClaimedItem, JobRecord, Ledger, Outcome
 
 __all__ = [
     "LEDGER_RETRY_SECONDS",
     "RETRY_FILTERS",
+    "SHOW_FILTERS",
     "AsyncLedger",
     "AttemptRecord",
+    "AttemptRow",
     "AttemptTotals",
     "CachedAnswer",
     "ClaimedItem",
     "Distribution",
     "ErrorGroup",
+    "ItemDetail",
     "ItemRow",
     "JobRecord",
     "Ledger",

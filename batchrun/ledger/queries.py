@@ -2,7 +2,9 @@
 
 Counts by state, attempt totals, nearest-rank distributions and histograms, errors
 by class and by status, throughput, two jobs' shared outputs, the item rows export
-streams, and what a run reads at its start (spend so far, recent latencies). The
+streams, the items finished since a poll (results as they finish), single items and
+their attempts (``batchrun show``), and what a run reads at its start (spend so far,
+recent latencies). The
 write side (jobs, ingest, the lock and leases, claim and record, the response
 cache, user actions) is :class:`~batchrun.ledger.store.Ledger`; both work over
 the same engine, and the Ledger passes on the three a run asks (so a run sees one
@@ -11,8 +13,9 @@ the same engine, and the Ledger passes on the three a run asks (so a run sees on
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +28,7 @@ from batchrun.ledger.engine import LEDGER_RETRY_SECONDS, is_transient
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import item_columns
 from batchrun.ledger.models import items as items_t
-from batchrun.states import ItemState, no_counts
+from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState, no_counts
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class ItemRow:
     item_id: int = 0
     cost_usd: float | None = None
     cached_from: int | None = None  # the answer was reused from this item (the response cache)
+    finished_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,40 @@ class SharedOutputs:
     both_succeeded: int
 
 
+@dataclass(frozen=True)
+class ItemDetail:
+    """One item as ``batchrun show`` reads it: its row, and the request it was made from."""
+
+    row: ItemRow
+    url: str | None  # None: the provider's default route
+    body: str | None  # the stored request body (a rejected line has none)
+    max_tokens: int | None  # a limit set by `batchrun retry --max-tokens`
+    followups: str | None  # JSON [[invalid answer, feedback], ...] of its re-asks so far
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    """One HTTP request for an item, as recorded."""
+
+    number: int
+    started_at: float
+    queue_wait_ms: float | None
+    latency_ms: float | None
+    status_code: int | None
+    error_class: str | None
+    input_tokens: int | None
+    output_tokens: int | None
+    cached_tokens: int | None
+    cost_usd: float | None
+    ttft_ms: float | None
+    item_id: int = 0
+
+
+# What ``batchrun show --where`` can choose items by: columns of the items table.
+SHOW_FILTERS = ("state", "error_class", "status_code", "custom_id")
 RECONNECT_PAUSE_S = 1.0  # between tries to reopen an export's cursor while the server is away
 _ITEM_ROW_COLUMNS = item_columns(ItemRow, {"item_id": "id"})
+_ATTEMPT_ROW_COLUMNS = tuple(attempts_t.c[f.name] for f in dataclasses.fields(AttemptRow))
 
 
 class LedgerQueries:
@@ -475,3 +511,84 @@ class LedgerQueries:
                 yield ItemRow(*r)
             last = rows[-1].line
 
+
+    # -- results as they finish (batchrun.collect) -----------------------------------------
+
+    def finished_frontier(self, job_id: int) -> int:
+        """An id below which every item of the job is finished: the lowest open (pending or running)
+        item's, else one past the highest id. Items stored later (an ingest still running) get higher ids.
+
+        One index lookup per open state, and one for the highest id.
+        """
+        i = items_t.c
+        with self.engine.connect() as conn:
+            lowest = [
+                conn.execute(select(func.min(i.id)).where(i.job_id == job_id, i.state == state)).scalar()
+                for state in OPEN_STATES
+            ]
+            open_ids = [int(x) for x in lowest if x is not None]
+            if open_ids:
+                return min(open_ids)
+            highest = conn.execute(select(func.max(i.id)).where(i.job_id == job_id)).scalar()
+        return int(highest) + 1 if highest is not None else 0
+
+    def finished_ids(self, job_id: int, from_id: int) -> list[int]:
+        """Ids of the job's finished items (any of FINISHED_STATES) from ``from_id`` on, ascending.
+
+        Read from the claim index (job, state, id) alone: the table's rows are not touched.
+        """
+        i = items_t.c
+        with self.engine.connect() as conn:
+            ids = conn.execute(
+                select(i.id).where(i.job_id == job_id, i.state.in_(list(FINISHED_STATES)), i.id >= from_id)
+            ).scalars().all()
+        return sorted(int(x) for x in ids)
+
+    def items_by_id(self, job_id: int, ids: Sequence[int], *, chunk: int = 500) -> list[ItemRow]:
+        """The job's items with these ids, in the order they finished (then input order)."""
+        rows: list[ItemRow] = []
+        with self.engine.connect() as conn:
+            for start in range(0, len(ids), chunk):
+                part = list(ids[start : start + chunk])
+                rows += [
+                    ItemRow(*r)
+                    for r in conn.execute(
+                        select(*_ITEM_ROW_COLUMNS).where(items_t.c.job_id == job_id, items_t.c.id.in_(part))
+                    )
+                ]
+        rows.sort(key=lambda r: (r.finished_at or 0.0, r.line))
+        return rows
+
+    # -- single items and their attempts (batchrun show) ----------------------------------
+
+    def find_items(self, job_id: int, where: Mapping[str, Any] | None = None, *, limit: int = 20) -> list[ItemDetail]:
+        """The job's first ``limit`` items in input order whose columns equal ``where``
+        (keys among SHOW_FILTERS: ValueError for any other)."""
+        i = items_t.c
+        conds: list[ColumnElement[bool]] = [i.job_id == job_id]
+        for column, value in (where or {}).items():
+            if column not in SHOW_FILTERS:
+                raise ValueError(f"items cannot be chosen by {column!r}: only by {', '.join(SHOW_FILTERS)}")
+            conds.append(i[column] == value)
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(*_ITEM_ROW_COLUMNS, i.url, i.body, i.max_tokens, i.followups)
+                .where(*conds).order_by(i.line).limit(limit)
+            ).all()
+        n = len(_ITEM_ROW_COLUMNS)
+        return [ItemDetail(ItemRow(*r[:n]), *r[n:]) for r in rows]
+
+    def item_attempts(self, job_id: int, item_ids: Sequence[int]) -> dict[int, list[AttemptRow]]:
+        """Each item's attempts, in the order they were sent (an item without any has an empty list)."""
+        found: dict[int, list[AttemptRow]] = {item_id: [] for item_id in item_ids}
+        if not item_ids:
+            return found
+        a = attempts_t.c
+        with self.engine.connect() as conn:
+            for r in conn.execute(
+                select(*_ATTEMPT_ROW_COLUMNS).where(a.job_id == job_id, a.item_id.in_(list(item_ids)))
+                .order_by(a.started_at, a.id)
+            ):
+                attempt = AttemptRow(*r)
+                found[attempt.item_id].append(attempt)
+        return found

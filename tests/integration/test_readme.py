@@ -20,10 +20,30 @@ def example() -> tuple[str, str]:
     return found["code"], found["out"]
 
 
+def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHRUN_") and k != "OPENAI_API_KEY"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+
+
 def test_the_readme_python_example_prints_what_the_readme_says(tmp_path: Path) -> None:
     code, expected = example()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHRUN_") and k != "OPENAI_API_KEY"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=120)
+    proc = run_python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected
+    assert proc.stderr == ""  # no warning either (the model's schema fits OpenAI strict mode)
+
+
+def test_the_readme_python_example_runs_in_a_notebook_cell(tmp_path: Path) -> None:
+    """As a Jupyter cell runs it: inside a running event loop, its classes in a namespace of their own."""
+    code, expected = example()
+    cell = (
+        "import asyncio, signal\n"
+        "async def cell():\n"
+        "    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)\n"
+        f"    exec(compile({code!r}, '<cell>', 'exec'), {{'__name__': '__main__'}})\n"
+        "    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before\n"
+        "asyncio.run(cell())\n"
+    )
+    proc = run_python(cell, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected

@@ -11,7 +11,7 @@ from batchrun import provider_registry
 from batchrun.cache import cache_scope
 from batchrun.cli import provider_option
 from batchrun.errors import SpecError
-from batchrun.export import FORMATS
+from batchrun.export import FORMATS, TABLE_FORMATS
 from batchrun.provider_registry import (
     BATCH_FORMATS,
     DEFAULT_KIND,
@@ -95,7 +95,7 @@ def test_the_cache_scope_holds_the_settings_the_entry_names(monkeypatch: pytest.
 
 
 def test_each_kind_exports_in_its_entrys_batch_format() -> None:
-    assert FORMATS == ("results", *BATCH_FORMATS)
+    assert FORMATS == ("results", *BATCH_FORMATS, *TABLE_FORMATS)
     assert set(RESULTS_LINES) == set(BATCH_FORMATS)  # every format a provider names has a line builder
     for entry in ENTRIES:
         assert entry.kind in kinds_of_format(entry.batch_format)
