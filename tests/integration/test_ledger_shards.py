@@ -153,3 +153,24 @@ def test_update_records_what_the_provider_said(ledger: Ledger) -> None:
     assert sent.create_sent_at is not None and abs(sent.create_sent_at - shards.now()) < 5
     with pytest.raises(ValueError, match="job_id"):
         shards.update(shard, run, job_id=2)
+
+
+def test_a_late_online_answer_lands_on_an_item_now_in_a_shard(ledger: Ledger) -> None:
+    """An online run frozen past its lock's staleness; the job is taken over in batch mode and the item put
+    in a shard: the online answer it paid for still lands (an answer is never thrown away while the item
+    has none), and the shard's later line for it lands on nothing."""
+    job_id = make_job(ledger, 1)
+    shards = ShardLedger(ledger)
+    old = ledger.start_run(job_id, "submit", exclusive=True)
+    [claimed] = ledger.claim(job_id, old, 1, 60, exclusive=True, token=1)
+    make_stale(ledger, job_id)
+    new = ledger.start_run(job_id, "resume", exclusive=True)
+    assert ledger.requeue_orphans(job_id, new) == 1
+    shard = shards.add(job_id, new, plan([claimed.id]))
+    late = Outcome(claimed.id, ItemState.SUCCEEDED, 1, status_code=200, response="{}", output="online", claim=1)
+    ledger.record(old, [late], [])
+    [row] = LedgerQueries(ledger.engine).iter_items(job_id)
+    assert (row.state, row.output) == (ItemState.SUCCEEDED, "online")
+    line = Outcome(claimed.id, ItemState.SUCCEEDED, 1, status_code=200, response="{}", output="batch")
+    assert shards.record_results(shard, new, [line], [attempt(job_id, claimed.id, new, shard.id)]) == 0
+    assert [r.output for r in LedgerQueries(ledger.engine).iter_items(job_id)] == ["online"]
