@@ -13,8 +13,9 @@ lock, and every provider call is made only once the ledger says what it is for:
    ``metadata`` naming the shard), record its id (``live``).
 3. **Reconcile** a ``creating`` shard whose create answer was lost (a crash, a 5xx, a
    timeout: the batch may exist): list the provider's batches and adopt the one made
-   for it; only when two listings a few seconds apart find none, and no create of it
-   can still be in flight, is it sent again.
+   for it (OpenAI: by its metadata or input file; Anthropic: by its results' line ids,
+   which name the shard); only when two listings a few seconds apart find none, and no
+   create of it can still be on its way, is it sent again.
 4. **Poll** live shards, backing off (429/5xx on a poll are not errors).
 5. **Collect** an ended shard: stream its results from disk, match each line to its
    item by custom_id, judge it as an online answer is judged (usage, batch-rate cost,
@@ -33,12 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,22 +50,23 @@ import orjson
 
 from batchrun.budget import ROUNDING_MARGIN, usd, worst_case_rate
 from batchrun.cache import cache_scope, request_key, reusable
-from batchrun.errors import AuthError, LockLostError, OutputInvalidError, ProviderError, RetryableError
-from batchrun.ledger import LEDGER_RETRY_SECONDS, AsyncLedger, AttemptRecord, JobRecord, Ledger, LedgerQueries, Outcome
+from batchrun.errors import AuthError, LockLostError, OutputInvalidError, PermanentError, ProviderError, RetryableError
+from batchrun.ledger import LEDGER_RETRY_SECONDS, AsyncLedger, AttemptRecord, JobRecord, Ledger, Outcome
 from batchrun.ledger.shards import ShardItem, ShardLedger, ShardPlan, ShardRecord
 from batchrun.pricing import Price, price_for
 from batchrun.providers import Provider, batch_api_for, provider_for
 from batchrun.providers.base import PreparedRequest
-from batchrun.providers.batches import BatchApi, BatchRefusedError, RemoteBatch, ResultLine, spooled
+from batchrun.providers.batches import BatchApi, BatchRefusedError, FileFormat, RemoteBatch, ResultLine, spooled
 from batchrun.spec import BATCH_DISCOUNT, JobSpec
 from batchrun.states import ItemState, ShardState, StopReason
 from batchrun.validate import OutputValidator, feedback
 
 log = logging.getLogger(__name__)
 
-ID_MARGIN = 24  # bytes a line may grow by when its custom_id is replaced by "i<item id>"
+ID_MARGIN = 40  # bytes a line may grow by when its custom_id is replaced by one naming the shard
 RESULTS_CHUNK = 500  # results lines written back per transaction
 MAX_REFUSALS = 5  # shards the provider refuses in a row before the run stops
+MAX_CREATES = 3  # create calls for one shard never seen at the provider before the run stops
 CANCELLING = frozenset({"cancelling", "cancelled", "canceling", "ended"})  # a cancel is under way or moot
 
 
@@ -103,6 +106,27 @@ class BatchResult:
     go_online: bool = False  # the deadline passed: what is left goes online
 
 
+class RequestFile:
+    """A shard's request file on disk, written entry by entry in its API's framing."""
+
+    def __init__(self, path: Path, fmt: FileFormat) -> None:
+        self.fmt = fmt
+        self.entries = 0
+        self._out = path.open("wb")
+        self._out.write(fmt.head)
+
+    def add(self, entry: bytes) -> None:
+        if self.entries:
+            self._out.write(self.fmt.separator)
+        self._out.write(entry)
+        self.entries += 1
+
+    def close(self) -> None:
+        if not self._out.closed:
+            self._out.write(self.fmt.tail)
+            self._out.close()
+
+
 class BatchRunner:
     """Works one job through its provider's batch API until nothing is left or it stops."""
 
@@ -134,10 +158,14 @@ class BatchRunner:
         self.price = self.spec.batch_price()
         self._model_prices: dict[str, Price | None] = {}
         self._scope = cache_scope(spec.provider)
+        # The job lock goes stale after lease_seconds / 2: beat well inside it.
+        self._heartbeat_every = min(self.options.heartbeat_interval, self.spec.run.lease_seconds / 4)
+        self._ledger_ahead = 0.0  # the ledger's clock minus this host's (the database's on PostgreSQL)
         self._next_poll: dict[int, float] = {}
         self._poll_every: dict[int, float] = {}
         self._missing_since: dict[int, float] = {}  # a creating shard not found at the provider, since
         self._answered: set[int] = set()  # shards whose create call this run made and saw end
+        self._parked: set[int] = set()  # creating shards that wait on the provider (look-alikes, a create in flight)
         self._refusals = 0
         self._token_cap: int | None = None  # learnt from token_limit_exceeded: enqueued tokens that fit
         self._size_cap: int | None = None  # learnt from a batch refused as a whole: requests that may fit
@@ -177,6 +205,7 @@ class BatchRunner:
                 self.ledger.start_run, self.job.id, self.options.command, exclusive=True,
                 stale_after=self.spec.run.lock_stale_seconds, run_id=run_id,
             )
+            self._ledger_ahead = await self._ledger(self.shards.now) - time.time()
             orphans = await self._ledger(self.ledger.requeue_orphans, self.job.id, self.run_id)
             if orphans:
                 log.info("put %d items left running by an earlier run back to pending", orphans)
@@ -222,7 +251,7 @@ class BatchRunner:
                 if self.spec.batch.reask == "online" and await self._ledger(self._has_pending):
                     self._go_online = True  # the re-asks ([batch] reask = "online")
                 return
-            if not self.options.wait and all(s.state == ShardState.LIVE for s in shards):
+            if not self.options.wait and all(s.state == ShardState.LIVE or s.id in self._parked for s in shards):
                 self.request_stop(
                     StopReason.AT_PROVIDER,
                     f"{sum(s.requests for s in shards)} items at the provider in {len(shards)} batches; "
@@ -237,7 +266,8 @@ class BatchRunner:
         if shard.cancel_reason == "user" and shard.state == ShardState.PREPARING:
             back = await self._ledger(self.shards.close, shard, self.run_id, left=ItemState.CANCELLED)
             self._event(f"shard {shard.id}: cancelled before it reached the provider ({_n(back, 'item')} cancelled)")
-        elif shard.state == ShardState.LIVE and shard.cancel_reason and shard.id not in self._cancel_sent \
+            return
+        if shard.state == ShardState.LIVE and shard.cancel_reason and shard.id not in self._cancel_sent \
                 and shard.provider_status not in CANCELLING:
             await self._cancel_live([shard], shard.cancel_reason)
         if not due:
@@ -253,10 +283,24 @@ class BatchRunner:
 
     async def _guarded(self, shard: ShardRecord, step: Coroutine[Any, Any, None]) -> None:
         """A shard's step, its provider errors judged: a transient one is tried again later, one that
-        waiting cannot mend (a batch gone, a bad request) stops the run; a refused key or a lost lock
-        is raised."""
+        waiting cannot mend stops the run; a refused key or a lost lock is raised.
+
+        A stop (signal, --max-runtime) gives a step under way ``grace_seconds`` to end (a provider
+        call being retried can take minutes), then cancels it: every step leaves its shard in a
+        state the next run carries on from (a create cut off is reconciled).
+        """
+        task = asyncio.ensure_future(step)
+        stop = asyncio.ensure_future(self._stop.wait())
         try:
-            await step
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await asyncio.wait([task], timeout=self.spec.run.grace_seconds)
+            if not task.done():
+                task.cancel()
+                log.warning("shard %d (%s): step cut off by the stop", shard.id, shard.state)
+                await asyncio.gather(task, return_exceptions=True)
+                return
+            task.result()
         except (AuthError, LockLostError):
             raise
         except RetryableError as exc:
@@ -264,6 +308,8 @@ class BatchRunner:
             self._back_off(shard)
         except ProviderError as exc:
             self.request_stop(StopReason.ERROR, f"shard {shard.id} ({shard.batch_id or shard.state}): {exc.message}")
+        finally:
+            stop.cancel()
 
     # -- planning and submitting ---------------------------------------------
 
@@ -298,16 +344,14 @@ class BatchRunner:
         token_room = min(caps) - queued if caps else None
         usd_room = None
         rate = worst_case_rate(self.price) if self.price is not None else 0.0
-        if self.spec.run.budget_usd > 0:
-            spent = LedgerQueries(self.ledger.engine).spent_usd(self.job.id)
-            reserved = sum(s.worst_usd or 0.0 for s in open_shards)
-            usd_room = self.spec.run.budget_usd * (1.0 - ROUNDING_MARGIN) - spent - reserved
+        if self.spec.run.budget_usd > 0:  # what was spent, and what the open shards reserved
+            usd_room = self.spec.run.budget_usd * (1.0 - ROUNDING_MARGIN) - self.ledger.spent_usd(self.job.id)
         plan: ShardPlan | None = None
         failures: dict[int, tuple[str, str]] = {}
         over_budget: float | None = None
         after = 0
-        with path.open("wb") as out:
-            out.write(fmt.head)
+        out = RequestFile(path, fmt)
+        try:
             while over_budget is None:
                 items = self.shards.pending_items(self.job.id, after_id=after)
                 reused = self._reuse_answers(items) if self.spec.run.cache else set()
@@ -351,11 +395,8 @@ class BatchRunner:
                           or (token_room is not None and plan.prompt_tokens + estimate.prompt > token_room)
                           or (worst is not None and usd_room is not None
                               and (plan.worst_usd or 0.0) + worst > usd_room)):
-                        out.write(fmt.tail)
                         return plan, failures
-                    if plan.item_ids:
-                        out.write(fmt.separator)
-                    out.write(line)
+                    out.add(line)
                     plan.item_ids.append(item.id)
                     plan.bytes += size
                     plan.prompt_tokens += estimate.prompt
@@ -364,7 +405,8 @@ class BatchRunner:
                     plan.own_ids = plan.own_ids and api.accepts_custom_id(item.custom_id)
                 if len(items) < 2000:
                     break
-            out.write(fmt.tail)
+        finally:
+            out.close()
         if plan is None and over_budget is not None and not open_shards:
             self.request_stop(
                 StopReason.BUDGET,
@@ -407,8 +449,7 @@ class BatchRunner:
         return bool(self.shards.pending_items(self.job.id, limit=1))
 
     def _prepare(self, item: ShardItem) -> PreparedRequest:
-        followups = [(str(a), str(n)) for a, n in orjson.loads(item.followups)] if item.followups else []
-        return self.provider.prepare(item.url, item.body, max_tokens=item.max_tokens, followups=followups)
+        return self.provider.prepare(item.url, item.body, max_tokens=item.max_tokens, followups=item.followup_pairs)
 
     def _model_of(self, request: PreparedRequest) -> str | None:
         if self.spec.provider.model:
@@ -418,16 +459,13 @@ class BatchRunner:
 
     def _write_file(self, shard: ShardRecord, path: Path) -> int:
         """The shard's request file, from its items (on the ledger's thread); the requests written."""
-        fmt, n = self.api.file_format, 0
-        with path.open("wb") as out:
-            out.write(fmt.head)
+        out = RequestFile(path, self.api.file_format)
+        try:
             for item in self.shards.iter_shard_items(shard.id):
-                if n:
-                    out.write(fmt.separator)
-                out.write(self.api.line(shard.line_id(item.id, item.custom_id), shard.endpoint, self._prepare(item)))
-                n += 1
-            out.write(fmt.tail)
-        return n
+                out.add(self.api.line(shard.line_id(item.id, item.custom_id), shard.endpoint, self._prepare(item)))
+        finally:
+            out.close()
+        return out.entries
 
     async def _submit(self, shard: ShardRecord, built: Path | None = None) -> None:
         """Upload a prepared shard's file and create its batch; the create's fate recorded first.
@@ -447,28 +485,38 @@ class BatchRunner:
                 file_id = found or await self.api.upload(shard, path)
                 if file_id is not None:
                     shard = await self._ledger(self.shards.update, shard, self.run_id, input_file_id=file_id)
-            # Committed (and the lock confirmed) right before the call: from here on the batch may exist.
-            shard = await self._ledger(
-                self.shards.update, shard, self.run_id, state=ShardState.CREATING, create_sent_at=time.time(),
-                run_id=self.run_id,
-            )
+            # The create must go out before create_timeout has passed since the fence below (a run frozen
+            # in between sends nothing once it wakes): a run that takes this shard over waits that long
+            # before it concludes that no create is on its way.
+            send_by = asyncio.get_running_loop().time() + self.api.create_timeout
+            shard = await self._ledger(self.shards.sending_create, shard, self.run_id)
             try:
-                batch = await self.api.create(shard, path)
+                async with asyncio.timeout_at(send_by):
+                    batch = await self.api.create(shard, path)
             except BatchRefusedError as exc:
-                await self._refused(shard, f"the provider refused to create it: {exc.message}")
+                lines = {exc.line: exc.message} if exc.line else {}
+                await self._refused(shard, f"the provider refused to create it: {exc.message}", lines)
                 return
             except AuthError:
                 raise
-            except ProviderError as exc:
+            except (ProviderError, TimeoutError) as exc:
                 self._answered.add(shard.id)
                 self._missing_since.pop(shard.id, None)
-                self._event(f"shard {shard.id}: create of {_n(shard.requests, 'request')} failed ({exc.message}); "
+                what = exc.message if isinstance(exc, ProviderError) else f"no answer within {self.api.create_timeout:g} s"
+                self._event(f"shard {shard.id}: create of {_n(shard.requests, 'request')} failed ({what}); "
                             "it may exist at the provider: reconciling before anything is sent again")
                 return
-            except Exception:
+            except BaseException:
                 self._answered.add(shard.id)
                 raise
-        await self._adopt(shard, batch, how="created")
+        try:
+            await self._adopt(shard, batch, how="created")
+        except LockLostError:
+            # Taken over while the create was on its way: the run that holds the job now may send this
+            # shard again, so the batch only this run knows of is cancelled (what it ran meanwhile is paid).
+            with contextlib.suppress(ProviderError):
+                await self.api.cancel(batch.id)
+            raise
 
     async def _adopt(self, shard: ShardRecord, batch: RemoteBatch, *, how: str) -> None:
         shard = await self._ledger(
@@ -478,6 +526,7 @@ class BatchRunner:
         )
         self._refusals = 0
         self._missing_since.pop(shard.id, None)
+        self._parked.discard(shard.id)
         self._next_poll[shard.id] = time.monotonic() + self.spec.batch.poll_interval
         self._poll_every[shard.id] = self.spec.batch.poll_interval
         self._event(f"shard {shard.id}: {_n(shard.requests, 'request')} {how} as {batch.id}")
@@ -487,69 +536,106 @@ class BatchRunner:
     async def _reconcile(self, shard: ShardRecord) -> None:
         """A shard whose create was sent but never recorded: adopt its batch, or find it never was.
 
-        Until it knows, it looks again every ``reconcile_wait`` seconds.
+        A batch carrying the shard's name (OpenAI: metadata, its input file) is its own. A batch
+        that only looks alike (Anthropic: created around the create call, as many requests) is
+        adopted once it has ended and its results carry the shard's own line ids; until then
+        the shard waits. Only when two listings ``reconcile_wait`` apart find none, and no create
+        of it can still be on its way, is it sent again — at most MAX_CREATES times.
         """
         self._next_poll[shard.id] = time.monotonic() + self.options.reconcile_wait
         known = await self._ledger(self.shards.known_batch_ids, shard.kind)
-        candidates = [c for c in await self.api.candidates(shard) if c.batch.id not in known]
-        certain = [c for c in candidates if c.certain]
+        sent = (shard.create_sent_at or shard.created_at) - self._ledger_ahead  # by this host's clock
+        candidates = [c for c in await self.api.candidates(shard, sent) if c.batch.id not in known]
+        certain = [c.batch for c in candidates if c.certain]
         if certain:
-            if len(certain) > 1:
-                log.error("shard %d: %d provider batches carry its name (%s); adopting the first",
-                          shard.id, len(certain), ", ".join(c.batch.id for c in certain))
-            await self._adopt(shard, certain[0].batch, how="found at the provider")
-            return
-        if len(candidates) == 1:
-            await self._adopt(shard, candidates[0].batch, how="found at the provider (same time and size)")
+            await self._adopt(shard, certain[0], how="found at the provider")
+            for extra in certain[1:]:  # created twice (a run frozen mid-create, woken late): keep one
+                log.error("shard %d: batch %s also carries its name; cancelling it", shard.id, extra.id)
+                with contextlib.suppress(ProviderError):
+                    await self.api.cancel(extra.id)
             return
         if candidates:
             chosen = await self._tell_apart(shard, [c.batch for c in candidates])
             if chosen is not None:
                 await self._adopt(shard, chosen, how="found at the provider (by its results)")
-            return  # look-alikes still running: wait until they end
-        # None found. Only conclude "never created" once no create of it can still be on its way,
-        # and a second listing a little later agrees.
-        sent = shard.create_sent_at or shard.created_at
-        if (shard.id not in self._answered and time.time() < sent + self.api.create_timeout + 30.0
-                and shard.run_id != self.run_id and await self._ledger(self.shards.run_may_be_alive, shard.run_id)):
-            return  # the run that sent it may still be waiting for its answer (stalled, on another host)
+            elif any(not c.batch.ended for c in candidates):
+                self._parked.add(shard.id)  # a look-alike still running may be its own: wait for it to end
+                return
+        # None is its own. Only conclude "never created" once no create of it can still be on its way
+        # (the run that sent it is this one, or dead, or its create's time is up) and a second listing agrees.
+        in_flight = shard.id not in self._answered and shard.run_id != self.run_id and (
+            time.time() + self._ledger_ahead < (shard.create_sent_at or shard.created_at) + self.api.create_timeout + 30.0
+        )
+        if in_flight and await self._ledger(self.shards.run_may_be_alive, shard.run_id):
+            self._parked.add(shard.id)
+            return
         first = self._missing_since.setdefault(shard.id, time.monotonic())
         if time.monotonic() - first < self.options.reconcile_wait:
             return
         self._missing_since.pop(shard.id, None)
         self._answered.discard(shard.id)
+        self._parked.discard(shard.id)
+        if shard.creates >= MAX_CREATES:
+            await self._refused(shard, f"created {shard.creates} times and never found at the provider "
+                                       "(is the base URL or the key another account's?)")
+            self.request_stop(StopReason.ERROR, f"shard {shard.id}: sent {shard.creates} times and never seen at the "
+                                                "provider; its items are pending again")
+            return
         self._event(f"shard {shard.id}: not at the provider; sending it again")
         await self._ledger(self.shards.update, shard, self.run_id, state=ShardState.PREPARING)
 
     async def _tell_apart(self, shard: ShardRecord, batches: list[RemoteBatch]) -> RemoteBatch | None:
-        """Of look-alike batches (same time, same size), the one whose results answer this shard's items."""
+        """Of look-alike batches that have ended, the one whose first results are this shard's lines."""
         for batch in batches:
             if not batch.ended:
-                return None
-        for batch in batches:
+                continue
             ids: list[str] = []
             async for line in self.api.results(batch, shard):
                 ids.append(line.custom_id)
                 if len(ids) >= 20:
                     break
-            mine = await self._ledger(self.shards.items_by_line_id, shard, ids)
-            if ids and len(mine) == len(ids):
-                return batch
+            if ids and all(shard.item_of(i) is not None for i in ids):
+                mine = await self._ledger(self.shards.items_by_line_id, shard, ids)
+                if mine:
+                    return batch
         return None
 
-    async def _refused(self, shard: ShardRecord, reason: str, failed: dict[int, str] | None = None) -> None:
-        back = await self._ledger(self.shards.refuse, shard, self.run_id, reason, failed)
+    async def _refused(
+        self, shard: ShardRecord, reason: str, lines: Mapping[int, str] | None = None, *, count: bool = True
+    ) -> None:
+        """The provider refused the shard: the lines it names (1-based line -> why) fail, the rest go back
+        (to pending; cancelled if the user cancelled it). Refused as a whole, the next shard is half its
+        size; ``count``: it counts towards the MAX_REFUSALS that stop the run."""
+        failed: dict[int, str] = {}
+        if lines:
+            items = await self._db.call(lambda: list(self.shards.iter_shard_items(shard.id)))
+            failed = {item.id: lines[n] for n, item in enumerate(items, 1) if n in lines}
+        elif count:
+            self._size_cap = max(1, shard.requests // 2)
+        left = ItemState.CANCELLED if shard.cancel_reason == "user" else ItemState.PENDING
+        back = await self._ledger(self.shards.refuse, shard, self.run_id, reason, failed, left=left)
         self.stats.back += back
-        self._refusals += 1
-        self._event(f"shard {shard.id}: refused by the provider: {reason}; {_n(back, 'item')} back to pending")
-        if self._refusals >= MAX_REFUSALS:
-            self.request_stop(StopReason.ERROR, f"the provider refused {self._refusals} batches in a row: {reason}")
+        self._parked.discard(shard.id)
+        self._event(f"shard {shard.id}: refused by the provider: {reason}; {_n(back, 'item')} back to {left}")
+        if not self.spec.batch.keep_files:
+            with contextlib.suppress(ProviderError):
+                await self.api.discard(await self._ledger(self.shards.get, shard.id))
+        if count:
+            self._refusals += 1
+            if self._refusals >= MAX_REFUSALS:
+                self.request_stop(StopReason.ERROR, f"the provider refused {self._refusals} batches in a row: {reason}")
 
     # -- polling --------------------------------------------------------------
 
     async def _poll(self, shard: ShardRecord) -> None:
         assert shard.batch_id is not None
-        batch = await self.api.get(shard.batch_id)
+        try:
+            batch = await self.api.get(shard.batch_id)
+        except PermanentError as exc:
+            if exc.status_code == 404:
+                await self._gone(shard, exc)
+                return
+            raise
         every = self._poll_every.get(shard.id, self.spec.batch.poll_interval)
         self._poll_every[shard.id] = min(self.spec.batch.poll_max, every * 1.5)
         self._next_poll[shard.id] = time.monotonic() + every
@@ -561,6 +647,12 @@ class BatchRunner:
             self._event(f"shard {shard.id}: {batch.status} {_counts_text(batch)}")
         if batch.ended:
             await self._ended(shard, batch)
+
+    async def _gone(self, shard: ShardRecord, exc: ProviderError) -> None:
+        """The provider no longer has the shard's batch or results (deleted, or past its retention):
+        nothing of it can be collected, so its items go back (uncharged) to be sent again."""
+        await self._refused(shard, f"the provider no longer has batch {shard.batch_id} ({exc.message}): deleted, "
+                                   "or past its retention; its items are sent again", count=False)
 
     async def _ended(self, shard: ShardRecord, batch: RemoteBatch) -> None:
         if batch.refused:
@@ -574,54 +666,50 @@ class BatchRunner:
         await self._collect(shard, batch)
 
     async def _refused_batch(self, shard: ShardRecord, batch: RemoteBatch) -> None:
-        """A batch that failed before any line was worked: a token limit (wait, or go smaller), or bad lines
-        (those items fail; the rest go back)."""
-        codes = {e.code for e in batch.errors}
+        """A batch that failed before any line was worked: over the enqueued-token limit (it waits for
+        the shards ahead of it, or goes smaller), or refused (the lines it names fail; the rest go back)."""
         reason = "; ".join(
             f"{e.code}: {e.message}" + (f" (line {e.line})" if e.line else "") for e in batch.errors[:3]
         ) or f"batch {batch.status}"
-        if "token_limit_exceeded" in codes:
+        if "token_limit_exceeded" in {e.code for e in batch.errors}:
             others = [s for s in await self._ledger(self.shards.shards, self.job.id, open_only=True)
                       if s.id != shard.id and s.state in (ShardState.LIVE, ShardState.ENDED)]
-            queued = sum(s.prompt_tokens for s in others)
             # What fits is at most what was queued with it; with nothing else queued, half this shard.
-            self._token_cap = max(1, queued if others else shard.prompt_tokens // 2)
-            await self._ledger(self.shards.refuse, shard, self.run_id, reason, None)
-            self._event(f"shard {shard.id}: over the provider's enqueued-token limit; its {shard.requests} items "
-                        f"wait for a smaller shard (at most ~{self._token_cap:,} tokens queued)")
+            self._token_cap = max(1, sum(s.prompt_tokens for s in others) if others else shard.prompt_tokens // 2)
+            await self._refused(shard, f"{reason}; it waits for a smaller shard (at most ~{self._token_cap:,} "
+                                       "tokens queued)", count=False)
             if shard.requests <= 1 and not others:
                 self.request_stop(StopReason.ERROR, f"the provider's enqueued-token limit refuses even one request: {reason}")
             return
-        failed: dict[int, str] = {}
-        lines = {e.line: e.message for e in batch.errors if e.line}
-        if lines:  # the lines it names fail; the rest go again as they were
-            items = await self._db.call(lambda: list(self.shards.iter_shard_items(shard.id)))
-            for number, item in enumerate(items, 1):
-                if number in lines:
-                    failed[item.id] = lines[number]
-        else:  # refused as a whole (too many requests, too large): the next shard is half its size
-            self._size_cap = max(1, shard.requests // 2)
-        await self._refused(shard, reason, failed)
+        await self._refused(shard, reason, {e.line: e.message for e in batch.errors if e.line})
 
     # -- collecting -----------------------------------------------------------
 
     async def _collect(self, shard: ShardRecord, batch: RemoteBatch | None = None) -> None:
         """Write an ended shard's results back, settle what it did not answer, and clear it at the provider."""
-        if batch is None:
-            assert shard.batch_id is not None
-            batch = await self.api.get(shard.batch_id)
         chunk: list[ResultLine] = []
-        unknown = 0
+        unknown = landed = 0
         settled: collections.Counter[str] = collections.Counter()
-        async for line in self.api.results(batch, shard):
-            chunk.append(line)
-            if len(chunk) >= RESULTS_CHUNK:
-                unknown += await self._write_back(shard, chunk, settled)
-                chunk = []
+        try:
+            if batch is None:
+                assert shard.batch_id is not None
+                batch = await self.api.get(shard.batch_id)
+            async for line in self.api.results(batch, shard):
+                chunk.append(line)
+                if len(chunk) >= RESULTS_CHUNK:
+                    unknown += await self._write_back(shard, chunk, settled)
+                    chunk = []
+        except PermanentError as exc:
+            if exc.status_code == 404:
+                await self._gone(shard, exc)
+                return
+            raise
         if chunk:
             unknown += await self._write_back(shard, chunk, settled)
+        landed = sum(settled.values())
         if unknown:
-            log.warning("shard %d: %d results lines name no item of it (ignored)", shard.id, unknown)
+            log.warning("shard %d: %d results lines landed on no item of it (written back already by an earlier "
+                        "run, or not its lines)", shard.id, unknown)
         left = ItemState.CANCELLED if shard.cancel_reason == "user" else ItemState.PENDING
         back = await self._ledger(self.shards.close, shard, self.run_id, left=left)
         self.stats.back += back
@@ -630,7 +718,10 @@ class BatchRunner:
         settled[left] += back
         told = ", ".join(f"{n} {'again' if state == ItemState.PENDING else state}" for state, n in settled.items() if n)
         self._event(f"shard {shard.id}: collected ({batch.status}): {told or 'nothing in it'}")
-        if not self.spec.batch.keep_files:
+        if unknown and not landed and back == shard.requests:
+            log.error("shard %d: none of batch %s's results are its items: its files are left at the provider",
+                      shard.id, shard.batch_id)
+        elif not self.spec.batch.keep_files:
             try:
                 await self.api.discard(await self._ledger(self.shards.get, shard.id))
             except ProviderError as exc:
@@ -638,7 +729,7 @@ class BatchRunner:
 
     async def _write_back(self, shard: ShardRecord, lines: list[ResultLine], settled: collections.Counter[str]) -> int:
         """Judge and record one chunk of results lines, counting the items' new states into ``settled``;
-        how many lines named no item of the shard."""
+        how many lines named no item of the shard still submitted."""
         items = await self._ledger(self.shards.items_by_line_id, shard, [line.custom_id for line in lines])
         outcomes: list[Outcome] = []
         attempts: list[AttemptRecord] = []
@@ -659,22 +750,27 @@ class BatchRunner:
         return unknown
 
     def _judge(self, shard: ShardRecord, item: ShardItem, line: ResultLine) -> tuple[Outcome, AttemptRecord]:
-        """What one results line makes of its item: judged exactly as an online answer is."""
-        followups = [(str(a), str(n)) for a, n in orjson.loads(item.followups)] if item.followups else []
+        """What one results line makes of its item: judged exactly as an online answer is. In a shard
+        the user cancelled, what would go again (expired, retryable, a re-ask) is cancelled instead."""
+        outcome, attempt = self._verdict(shard, item, line)
+        if shard.cancel_reason == "user" and outcome.state == ItemState.PENDING:
+            outcome.state, outcome.finished_at = ItemState.CANCELLED, time.time()
+        return outcome, attempt
+
+    def _verdict(self, shard: ShardRecord, item: ShardItem, line: ResultLine) -> tuple[Outcome, AttemptRecord]:
+        followups = item.followup_pairs
         attempt = AttemptRecord(
             job_id=self.job.id, item_id=item.id, run_id=self.run_id, number=item.attempts + 1,
-            started_at=shard.create_sent_at or shard.created_at, queue_wait_ms=None, latency_ms=None,
-            status_code=line.status_code, error_class=None, shard_id=shard.id,
+            started_at=(shard.create_sent_at or shard.created_at) - self._ledger_ahead, queue_wait_ms=None,
+            latency_ms=None, status_code=line.status_code, error_class=None, shard_id=shard.id,
         )
         if line.unworked is not None:
-            cancelled = shard.cancel_reason == "user"
             attempt.counted = False
             attempt.number = item.attempts
             attempt.error_class = f"batch_{line.unworked}"
             outcome = Outcome(
-                item.id, ItemState.CANCELLED if cancelled else ItemState.PENDING, item.attempts,
-                error_class=attempt.error_class, error_message=f"the batch {line.unworked} before this line was worked",
-                followups=item.followups, finished_at=time.time() if cancelled else None,
+                item.id, ItemState.PENDING, item.attempts, error_class=attempt.error_class,
+                error_message=f"the batch {line.unworked} before this line was worked", followups=item.followups,
             )
             return outcome, attempt
         attempts = item.attempts + 1
@@ -709,11 +805,10 @@ class BatchRunner:
                     outcome.validation_errors = orjson.dumps(invalid.errors).decode() if invalid.errors else None
                     return outcome, attempt
                 # Asked again in the next shard, with what was wrong.
-                followups.append((reply.output or "", feedback(invalid)))
                 again = Outcome(
                     item.id, ItemState.PENDING, attempts, status_code=reply.status_code,
                     error_class=invalid.error_class, error_message=invalid.message,
-                    followups=orjson.dumps(followups).decode(),
+                    followups=orjson.dumps([*followups, (reply.output or "", feedback(invalid))]).decode(),
                 )
                 return again, attempt
             outcome.parsed = orjson.dumps(verdict.parsed).decode()
@@ -747,8 +842,7 @@ class BatchRunner:
         if deadline <= 0:
             return
         if not self._go_online:
-            first = await self._ledger(self.shards.first_created_at, self.job.id)
-            if first is None or time.time() < first + deadline:
+            if not await self._ledger(self.shards.deadline_passed, self.job.id, deadline):
                 return
             self._go_online = True
             self._event(f"[batch] deadline of {deadline:g} s passed: no more batches; the live ones are cancelled "
@@ -773,7 +867,7 @@ class BatchRunner:
 
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(self.options.heartbeat_interval)
+            await asyncio.sleep(self._heartbeat_every)
             try:
                 await self._ledger(self.ledger.heartbeat, self.job.id, self.run_id, self.spec.run.lease_seconds,
                                    exclusive=True)

@@ -29,11 +29,13 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
+import httpx
 import orjson
 
+from batchrun.errors import OutputInvalidError, ProviderError
 from batchrun.provider_registry import provider_entry
 
-if TYPE_CHECKING:  # status and export must not load the HTTP stack
+if TYPE_CHECKING:
     from batchrun.ledger.store import CachedAnswer
     from batchrun.providers.base import PreparedRequest, Provider
     from batchrun.spec import ProviderSpec
@@ -79,8 +81,6 @@ def reusable(answer: CachedAnswer, validator: OutputValidator | None, provider: 
     an answer (a tool call: filed before the provider told those apart).
     """
     if validator is not None:
-        from batchrun.errors import OutputInvalidError
-
         try:
             return True, orjson.dumps(validator.check(answer.output).parsed).decode()
         except OutputInvalidError:
@@ -89,10 +89,6 @@ def reusable(answer: CachedAnswer, validator: OutputValidator | None, provider: 
         return True, answer.parsed
     if answer.response is None:
         return False, None
-    import httpx
-
-    from batchrun.errors import ProviderError
-
     try:
         provider.parse(answer.status_code or 200, httpx.Headers(), answer.response.encode(), latency_ms=0.0)
     except ProviderError:

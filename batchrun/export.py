@@ -35,7 +35,7 @@ from batchrun.errors import ExportError, ExportWriteError, StoppedError
 from batchrun.ledger import ItemRow, Ledger, LedgerQueries
 from batchrun.provider_registry import BATCH_FORMATS, kinds_of_format, provider_entry
 from batchrun.providers.batch_formats import RESULTS_LINES
-from batchrun.states import ERROR_STATES, ItemState
+from batchrun.states import ERROR_STATES, OPEN_STATES, ItemState
 from batchrun.tabular import Column, csv_chunks, parquet_chunks
 
 TABLE_FORMATS = ("csv", "parquet")
@@ -54,7 +54,7 @@ class ExportResult:
 
 
 def _error(row: ItemRow) -> dict[str, Any] | None:
-    if row.error_class is None and row.state not in (ItemState.PENDING, ItemState.RUNNING, ItemState.CANCELLED):
+    if row.error_class is None and row.state not in (*OPEN_STATES, ItemState.CANCELLED):
         return None
     error: dict[str, Any] = {
         "class": row.error_class or row.state,

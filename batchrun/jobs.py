@@ -37,7 +37,6 @@ from batchrun.states import ExitCode, ItemState, StopReason, exit_code_for, no_c
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class PreparedJob:
     """A job ready to run: found again (``created`` False) or newly ingested."""

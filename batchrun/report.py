@@ -402,6 +402,7 @@ def batch_lines(batch: dict[str, Any] | None) -> list[str]:
     lines = [
         f"  batches   {len(shards)} shards, {len(open_)} open, {batch['at_provider']} items at the provider; "
         f"answered {answered['batch']} by batch, {answered['online']} online"
+        + (f", {answered['cache']} from the response cache" if answered.get("cache") else "")
     ]
     for s in open_:
         counts = " ".join(f"{k}={v}" for k, v in s["counts"].items() if v)
@@ -538,6 +539,7 @@ def batch_table(batch: dict[str, Any] | None) -> tuple[tuple[str, ...], list[tup
     caption = (
         "turnaround (created to ended) " + "  ".join(f"{k} {fmt_seconds(v)}" for k, v in turnaround.items())
         + f"; answered {answered['batch']:,} by batch, {answered['online']:,} online"
+        + (f", {answered['cache']:,} from the response cache" if answered.get("cache") else "")
         + (f"; {batch['at_provider']:,} items at the provider now" if batch["at_provider"] else "")
     )
     return BATCH_COLUMNS, rows, caption

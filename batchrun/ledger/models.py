@@ -208,7 +208,8 @@ shards = Table(
     Column("provider_status", String(32)),  # as the provider last said
     Column("counts", Text),  # JSON: the provider's request counts, as last polled
     Column("created_at", Float, nullable=False),  # the row
-    Column("create_sent_at", Float),  # the last create call
+    Column("create_sent_at", Float),  # the last create call (the database's clock on PostgreSQL)
+    Column("creates", Integer, nullable=False, server_default=text("0")),  # create calls sent for it
     Column("provider_created_at", Float),
     Column("in_progress_at", Float),
     Column("ended_at", Float),

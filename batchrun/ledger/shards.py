@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, case, func, insert, select, update
 
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import items as items_t
@@ -68,6 +68,7 @@ class ShardRecord:
     counts: Mapping[str, int]
     created_at: float
     create_sent_at: float | None
+    creates: int
     provider_created_at: float | None
     in_progress_at: float | None
     ended_at: float | None
@@ -81,9 +82,20 @@ class ShardRecord:
         """Its items are still submitted."""
         return self.state in OPEN_SHARD_STATES
 
+    @property
+    def tag(self) -> str:
+        """The random part of the shard's token: what its own line ids start with."""
+        return self.token.rpartition("-")[2]
+
     def line_id(self, item_id: int, custom_id: str) -> str:
-        """The custom_id an item's line carries in this shard's request file."""
-        return custom_id if self.own_ids else f"i{item_id}"
+        """The custom_id an item's line carries in this shard's request file: the item's own, or one
+        naming the shard ("<tag>_<item id>") where the API needs the lines to say whose they are."""
+        return custom_id if self.own_ids else f"{self.tag}_{item_id}"
+
+    def item_of(self, line_id: str) -> int | None:
+        """The item a line id of this shard names (a shard-named id; None for any other)."""
+        tag, _, item = line_id.partition("_")
+        return int(item) if not self.own_ids and tag == self.tag and item.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,11 @@ class ShardItem:
     attempts: int
     max_tokens: int | None = None
     followups: str | None = None  # JSON [[invalid answer, feedback], ...]: re-asks so far
+
+    @property
+    def followup_pairs(self) -> list[tuple[str, str]]:
+        """The re-asks so far as (invalid answer, feedback) pairs."""
+        return [(str(a), str(n)) for a, n in orjson.loads(self.followups)] if self.followups else []
 
 
 @dataclass
@@ -185,33 +202,24 @@ class ShardLedger:
         if shard.own_ids:
             cond += [items_t.c.job_id == shard.job_id, items_t.c.custom_id.in_(list(line_ids))]
         else:
-            ids = [int(x[1:]) for x in line_ids if x[:1] == "i" and x[1:].isdigit()]
-            cond.append(items_t.c.id.in_(ids))
+            cond.append(items_t.c.id.in_([i for i in map(shard.item_of, line_ids) if i is not None]))
         found = self._items(select(*_SHARD_ITEM_COLUMNS).where(*cond))
         return {shard.line_id(item.id, item.custom_id): item for item in found}
 
-    def reserved_usd(self, job_id: int) -> float:
-        """What the job's open shards reserved of its budget (their worst cases)."""
-        with self.engine.connect() as conn:
-            return float(
-                conn.execute(
-                    select(func.coalesce(func.sum(shards_t.c.worst_usd), 0.0)).where(
-                        shards_t.c.job_id == job_id, shards_t.c.state.in_(list(OPEN_SHARD_STATES))
-                    )
-                ).scalar_one()
-            )
-
     def answered_by_route(self, job_id: int) -> dict[str, int]:
-        """The job's succeeded items by how they were answered: ``batch`` (a shard's results) or ``online``."""
+        """The job's succeeded items by how they were answered: ``batch`` (a shard's results),
+        ``online``, or ``cache`` (an answer reused from the response cache: nothing was sent)."""
+        i = items_t.c
+        route = case((i.cached_from.is_not(None), "cache"), (i.shard_id.is_not(None), "batch"), else_="online")
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(items_t.c.shard_id.is_(None), func.count())
-                .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.SUCCEEDED)
-                .group_by(items_t.c.shard_id.is_(None))
+                select(route, func.count())
+                .where(i.job_id == job_id, i.state == ItemState.SUCCEEDED)
+                .group_by(route)
             ).all()
-        by = {"batch": 0, "online": 0}
-        for online, n in rows:
-            by["online" if online else "batch"] += int(n)
+        by = {"batch": 0, "online": 0, "cache": 0}
+        for name, n in rows:
+            by[str(name)] += int(n)
         return by
 
     def turnarounds(self, kind: str, limit: int = 200) -> list[float]:
@@ -234,13 +242,16 @@ class ShardLedger:
             return False
         return not (row.host == socket.gethostname() and not _pid_alive(row.pid))
 
-    def first_created_at(self, job_id: int) -> float | None:
-        """When the job's first shard was made (its ``[batch] deadline`` counts from there)."""
+    def now(self) -> float:
+        """Now, by the clock shard times are kept in (the database's on PostgreSQL)."""
         with self.engine.connect() as conn:
-            value = conn.execute(
-                select(func.min(shards_t.c.created_at)).where(shards_t.c.job_id == job_id)
-            ).scalar()
-        return float(value) if value is not None else None
+            return self.ledger._now(conn)
+
+    def deadline_passed(self, job_id: int, seconds: float) -> bool:
+        """Whether the job's first shard was made more than ``seconds`` ago (``[batch] deadline``)."""
+        with self.engine.connect() as conn:
+            first = conn.execute(select(func.min(shards_t.c.created_at)).where(shards_t.c.job_id == job_id)).scalar()
+            return first is not None and self.ledger._now(conn) - float(first) > seconds
 
     def known_batch_ids(self, kind: str) -> set[str]:
         """The provider batch ids every shard of this ledger has recorded (of any job)."""
@@ -258,9 +269,13 @@ class ShardLedger:
 
         Only items still pending are taken (the shard's counts are those it really holds).
         """
-        now = time.time()
         with self.ledger._write() as conn:
             self.ledger._renew_lock(conn, job_id, run_id)
+            # A transaction replayed after its acknowledgement was lost (PostgreSQL ride-out) finds its shard.
+            made = conn.execute(select(shards_t).where(shards_t.c.token == plan.token)).one_or_none()
+            if made is not None:
+                return _shard(made)
+            now = self.ledger._now(conn)
             inserted = conn.execute(
                 insert(shards_t).values(
                     job_id=job_id, token=plan.token, kind=plan.kind, state=ShardState.PREPARING, run_id=run_id,
@@ -298,9 +313,27 @@ class ShardLedger:
             row = conn.execute(select(shards_t).where(shards_t.c.id == shard.id)).one()
         return _shard(row)
 
-    def refuse(self, shard: ShardRecord, run_id: str, reason: str, failed: Mapping[int, str] | None = None) -> int:
-        """The provider refused the shard (validation, a token limit): its items go back to pending,
-        except those ``failed`` names (item id -> why), which fail for good. Nothing is charged."""
+    def sending_create(self, shard: ShardRecord, holder: str) -> ShardRecord:
+        """The create call is about to go out: the shard is ``creating`` (whether the batch exists is
+        unknown from here until reconciled), by ``holder``, sent now by the ledger's clock, counted."""
+        with self.ledger._write() as conn:
+            self.ledger._renew_lock(conn, shard.job_id, holder)
+            conn.execute(
+                update(shards_t).where(shards_t.c.id == shard.id).values(
+                    state=ShardState.CREATING, run_id=holder, create_sent_at=self.ledger._now(conn),
+                    creates=shards_t.c.creates + 1,
+                )
+            )
+            row = conn.execute(select(shards_t).where(shards_t.c.id == shard.id)).one()
+        return _shard(row)
+
+    def refuse(
+        self, shard: ShardRecord, run_id: str, reason: str, failed: Mapping[int, str] | None = None,
+        *, left: ItemState = ItemState.PENDING,
+    ) -> int:
+        """The provider refused the shard (validation, a token limit) or no longer has it: its items go
+        back to ``left`` (pending; cancelled when the user cancelled it), except those ``failed`` names
+        (item id -> why), which fail for good. Nothing is charged."""
         failed = failed or {}
         with self.ledger._write() as conn:
             self.ledger._renew_lock(conn, shard.job_id, run_id)
@@ -310,16 +343,16 @@ class ShardLedger:
                     .where(items_t.c.id == item_id, items_t.c.shard_id == shard.id,
                            items_t.c.state == ItemState.SUBMITTED)
                     .values(state=ItemState.FAILED, error_class="batch_refused", error_message=_no_nul(message),
-                            finished_at=time.time())
+                            finished_at=self.ledger._now(conn))
                 )
             back = conn.execute(
                 update(items_t)
                 .where(items_t.c.shard_id == shard.id, items_t.c.state == ItemState.SUBMITTED)
-                .values(state=ItemState.PENDING, shard_id=None)
+                .values(state=left, shard_id=None if left == ItemState.PENDING else shard.id)
             ).rowcount
             conn.execute(
                 update(shards_t).where(shards_t.c.id == shard.id).values(
-                    state=ShardState.FAILED, error=_no_nul(reason), collected_at=time.time(),
+                    state=ShardState.FAILED, error=_no_nul(reason), collected_at=self.ledger._now(conn),
                 )
             )
         return int(back)
@@ -368,11 +401,11 @@ class ShardLedger:
                 update(items_t)
                 .where(items_t.c.shard_id == shard.id, items_t.c.state == ItemState.SUBMITTED)
                 .values(state=left, shard_id=None if left == ItemState.PENDING else shard.id,
-                        finished_at=None if left == ItemState.PENDING else time.time())
+                        finished_at=None if left == ItemState.PENDING else self.ledger._now(conn))
             ).rowcount
             conn.execute(
                 update(shards_t).where(shards_t.c.id == shard.id).values(
-                    state=ShardState.COLLECTED, collected_at=time.time()
+                    state=ShardState.COLLECTED, collected_at=self.ledger._now(conn)
                 )
             )
         return int(back)

@@ -53,9 +53,10 @@ from batchrun.ledger.models import items as items_t
 from batchrun.ledger.models import jobs as jobs_t
 from batchrun.ledger.models import rate_buckets as buckets_t
 from batchrun.ledger.models import runs as runs_t
+from batchrun.ledger.models import shards as shards_t
 from batchrun.ledger.queries import LedgerQueries
 from batchrun.spec import JobSpec
-from batchrun.states import ItemState, no_counts
+from batchrun.states import OPEN_SHARD_STATES, ItemState, no_counts
 
 
 # What `batchrun retry --where` may narrow the items to send again by.
@@ -193,7 +194,7 @@ FINAL_COLUMNS = (
 BACK_COLUMNS = ("status_code", "error_class", "error_message")
 _NOT_FINAL = (ItemState.PENDING, ItemState.RUNNING)  # outcomes that leave the item unanswered
 # States in which an item has no answer: a success may land there, whoever holds the item.
-UNANSWERED = (ItemState.PENDING, ItemState.RUNNING, ItemState.FAILED, ItemState.INVALID_OUTPUT)
+UNANSWERED = (ItemState.PENDING, ItemState.RUNNING, ItemState.SUBMITTED, ItemState.FAILED, ItemState.INVALID_OUTPUT)
 _ATTEMPT_COLUMNS = tuple(f.name for f in dataclasses.fields(AttemptRecord) if f.name != "counted")
 # The writer's hot path on SQLite goes straight to the driver's executemany (as ingest does):
 # SQLAlchemy's per-row parameter processing cost about as much as the writes themselves.
@@ -203,7 +204,7 @@ _SQLITE_INSERT_ATTEMPTS = (
 _SQLITE_CHARGE_ATTEMPTS = "UPDATE items SET attempts = attempts + ? WHERE id = ?"
 _SQLITE_HELD = "WHERE id = ? AND lease_owner = ? AND lease_claim = ? AND state = 'running'"
 # A success lands on an item that has no answer yet, whoever holds it (the first committed answer wins).
-_SQLITE_UNANSWERED = "WHERE id = ? AND state IN ('pending', 'running', 'failed', 'invalid_output')"
+_SQLITE_UNANSWERED = f"WHERE id = ? AND state IN ({', '.join(repr(str(s)) for s in UNANSWERED)})"
 _SQLITE_SET_FINAL = (
     f"UPDATE items SET {', '.join(f'{c} = ?' for c in FINAL_COLUMNS)}, lease_owner = NULL, lease_expires = NULL, "
     "lease_claim = NULL "
@@ -349,8 +350,15 @@ class Ledger:
         return self._queries.counts(job_id)
 
     def spent_usd(self, job_id: int) -> float:
-        """What the job's attempts have cost so far: its budget's spend."""
-        return self._queries.spent_usd(job_id)
+        """What the job's budget counts as used: what its attempts cost, plus what its open provider
+        batches (batch mode) reserved for their worst case until their results are in."""
+        with self.engine.connect() as conn:
+            reserved = conn.execute(
+                select(func.coalesce(func.sum(shards_t.c.worst_usd), 0.0)).where(
+                    shards_t.c.job_id == job_id, shards_t.c.state.in_(list(OPEN_SHARD_STATES))
+                )
+            ).scalar_one()
+        return self._queries.spent_usd(job_id) + float(reserved)
 
     def recent_latencies(self, job_id: int, limit: int) -> list[float]:
         """Seconds taken by the job's latest ``limit`` clean attempts, oldest first."""

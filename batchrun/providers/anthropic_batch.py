@@ -6,9 +6,10 @@ built on disk and streamed; a ``custom_id`` must match ``^[a-zA-Z0-9_-]{1,64}$``
 times are RFC 3339 strings; request counts move only when the batch ends; an
 ``errored`` result carries an error type, not a status (mapped to the status the
 online API answers that type with, so it is classified as an online error); and
-a batch carries no metadata, so a batch created but never recorded is recognised
-by when it was created and how many requests it holds, and, where two look alike,
-by the custom_ids of its results once it has ended (:meth:`AnthropicBatchApi.candidates`).
+a batch carries no metadata, so its lines name their shard (``<tag>_<item id>``) and a
+batch created but never recorded is recognised by when it was created, how many requests
+it holds, and — once it has ended — the line ids of its results
+(:meth:`AnthropicBatchApi.candidates`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from batchrun.errors import PermanentError
 from batchrun.providers.base import PreparedRequest
 from batchrun.providers.batches import (
     BatchHttp,
-    BatchRefusedError,
     Candidate,
     FileFormat,
     RemoteBatch,
     ResultLine,
     lines_of,
+    refused,
     spooled,
 )
 
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 MAX_REQUESTS = 100_000
 MAX_BYTES = 256 * 1000 * 1000  # "256 MB"
-CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # The status the online Messages API answers each error type with.
 ERROR_STATUS = {
     "invalid_request_error": 400, "authentication_error": 401, "billing_error": 402, "permission_error": 403,
@@ -49,6 +49,7 @@ ERROR_STATUS = {
     "timeout_error": 504, "overloaded_error": 529,
 }
 UNWORKED = {"expired": "expired", "canceled": "cancelled"}
+REQUEST_INDEX = re.compile(r"\brequests\.(\d+)\b")
 LIST_PAGES = 20  # reconciliation looks at most this many pages of 100 batches (newest first)
 SKEW_S = 300.0  # the provider's clock and ours may differ by this much
 
@@ -73,7 +74,10 @@ class AnthropicBatchApi:
         return None
 
     def accepts_custom_id(self, custom_id: str) -> bool:
-        return CUSTOM_ID.fullmatch(custom_id) is not None
+        """Never: a batch carries no metadata, so its lines name their shard ("<shard tag>_<item id>",
+        which Anthropic's ``^[a-zA-Z0-9_-]{1,64}$`` takes): results then tell a shard's batch from any
+        look-alike, whatever the items' own custom_ids."""
+        return False
 
     def line(self, custom_id: str, endpoint: str | None, request: PreparedRequest) -> bytes:
         return orjson.dumps({"custom_id": custom_id, "params": orjson.Fragment(request.content)})
@@ -97,38 +101,33 @@ class AnthropicBatchApi:
                 "POST", self.batches_url, content=body(), headers={"content-length": str(size)}, retry=False
             )
         except PermanentError as exc:
-            if exc.status_code in (408, 409, 425):
-                raise
-            raise BatchRefusedError(exc.message, status_code=exc.status_code, body=exc.body) from exc
+            # "requests.17.params.max_tokens: ...": the request it names (0-based) is the file's line 18.
+            named = REQUEST_INDEX.search(exc.message)
+            raise refused(exc, line=int(named.group(1)) + 1 if named else None) from exc
         return batch_of(data)
 
     async def get(self, batch_id: str) -> RemoteBatch:
         return batch_of(await self.http.json("GET", f"{self.batches_url}/{batch_id}"))
 
-    async def candidates(self, shard: ShardRecord) -> list[Candidate]:
-        """Batches created around the shard's create call holding as many requests as it does.
+    async def candidates(self, shard: ShardRecord, sent_at: float) -> list[Candidate]:
+        """Batches created around the shard's create call (``sent_at``, our clock; the provider's is read
+        from its ``Date`` headers) holding as many requests as it does.
 
-        None is certain (there is no metadata): the caller tells look-alikes apart by
-        their results' custom_ids once they end (:meth:`first_custom_ids`).
+        None is certain (there is no metadata): the caller adopts one only once it has ended
+        and its results carry the shard's own line ids.
         """
-        sent = shard.create_sent_at or shard.created_at
+        sent = sent_at + self.http.clock_skew
         window = (sent - SKEW_S, sent + self.create_timeout + SKEW_S)
         found: list[Candidate] = []
-        after = None
-        for _ in range(LIST_PAGES):
-            params: dict[str, Any] = {"limit": 100}
-            if after:
-                params["after_id"] = after
-            page = await self.http.json("GET", self.batches_url, params=params)
-            batches = [batch_of(b) for b in page.get("data") or [] if isinstance(b, dict)]
+        async for page in self.http.pages(self.batches_url, {"limit": 100}, cursor="after_id", max_pages=LIST_PAGES):
+            batches = [batch_of(b) for b in page]
             for batch in batches:
                 if (batch.created_at is not None and window[0] <= batch.created_at <= window[1]
                         and batch.total == shard.requests):
                     found.append(Candidate(batch, certain=False))
             created = [b.created_at for b in batches if b.created_at is not None]
-            if not page.get("has_more") or not batches or (created and max(created) < window[0]):
+            if created and max(created) < window[0]:
                 break
-            after = page.get("last_id") or batches[-1].id
         return found
 
     async def cancel(self, batch_id: str) -> RemoteBatch:
@@ -143,13 +142,8 @@ class AnthropicBatchApi:
                     yield line
 
     async def discard(self, shard: ShardRecord) -> None:
-        if not shard.batch_id:
-            return
-        try:
-            await self.http.call("DELETE", f"{self.batches_url}/{shard.batch_id}")
-        except PermanentError as exc:
-            if exc.status_code != 404:  # gone already: what we wanted
-                raise
+        if shard.batch_id:
+            await self.http.delete(f"{self.batches_url}/{shard.batch_id}")
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -12,9 +12,11 @@ whichever way it came.
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import os
 import random
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_delay, wait_exponential
 from tenacity.wait import wait_base
 
-from batchrun.errors import ProviderError, RetryableError
+from batchrun.errors import PermanentError, ProviderError, RetryableError
 from batchrun.providers.base import PreparedRequest, Provider
 from batchrun.providers.http import transport_error_class
 
@@ -126,8 +128,9 @@ class BatchApi(Protocol):
     async def get(self, batch_id: str) -> RemoteBatch:
         ...
 
-    async def candidates(self, shard: ShardRecord) -> list[Candidate]:
-        """Provider batches that may be this shard's, created but never recorded."""
+    async def candidates(self, shard: ShardRecord, sent_at: float) -> list[Candidate]:
+        """Provider batches that may be this shard's, created but never recorded (``sent_at``: when its
+        last create was sent, by this host's clock)."""
         ...
 
     async def cancel(self, batch_id: str) -> RemoteBatch:
@@ -146,9 +149,21 @@ class BatchApi(Protocol):
 
 
 class BatchRefusedError(ProviderError):
-    """The provider refused to create the batch (a 4xx on create): it does not exist."""
+    """The provider refused to create the batch (a 4xx on create): it does not exist.
+
+    ``line`` is the 1-based line of the request file it names as the cause, when it names one.
+    """
 
     error_class = "batch_refused"
+
+    def __init__(self, message: str | None = None, *, line: int | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.line = line
+
+
+def refused(exc: PermanentError, *, line: int | None = None) -> BatchRefusedError:
+    """A create's 4xx (a retryable status is a RetryableError, never this) as the refusal it is."""
+    return BatchRefusedError(exc.message, line=line, status_code=exc.status_code, body=exc.body)
 
 
 class _WaitRetryAfter(wait_base):
@@ -186,6 +201,7 @@ class BatchHttp:
         self.retry_seconds = retry_seconds
         self.backoff_initial = backoff_initial
         self.client = httpx.AsyncClient(timeout=timeout, transport=transport, trust_env=False, follow_redirects=True)
+        self._skews: list[float] = []
 
     async def json(self, method: str, url: str, *, retry: bool = True, **kwargs: Any) -> Any:
         """A call whose answer is a JSON object; the object."""
@@ -221,6 +237,28 @@ class BatchHttp:
                 except httpx.TransportError as exc:
                     raise _transport_error(exc) from exc
 
+    async def delete(self, url: str) -> None:
+        """Delete a file or batch; one already gone (404) is what was wanted."""
+        try:
+            await self.call("DELETE", url)
+        except PermanentError as exc:
+            if exc.status_code != 404:
+                raise
+
+    async def pages(
+        self, url: str, params: Mapping[str, Any], *, cursor: str, max_pages: int
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """A list endpoint's pages (newest first at both providers), the next one asked for with
+        ``cursor=<last id>`` while ``has_more``; at most ``max_pages``."""
+        after: str | None = None
+        for _ in range(max_pages):
+            page = await self.json("GET", url, params={**params, **({cursor: after} if after else {})})
+            data = [d for d in page.get("data") or [] if isinstance(d, dict)]
+            yield data
+            after = page.get("last_id") or (str(data[-1].get("id")) if data else None)
+            if not page.get("has_more") or not data or not after:
+                return
+
     async def aclose(self) -> None:
         await self.client.aclose()
 
@@ -238,9 +276,29 @@ class BatchHttp:
             response = await self.client.request(method, url, headers=headers, **kwargs)
         except httpx.TransportError as exc:
             raise _transport_error(exc) from exc
+        self._note_clock(response)
         if not 200 <= response.status_code < 300:
             self._raise(response, response.content)
         return response
+
+    def _note_clock(self, response: httpx.Response) -> None:
+        """How far the provider's clock is ahead of ours (its ``Date`` header; whole seconds)."""
+        date = response.headers.get("date")
+        if not date:
+            return
+        try:
+            theirs = email.utils.parsedate_to_datetime(date).timestamp()
+        except (TypeError, ValueError):
+            return
+        self._skews.append(theirs - time.time())
+        del self._skews[:-9]
+
+    @property
+    def clock_skew(self) -> float:
+        """The provider's clock minus ours, in seconds (the median of the latest answers; 0 before any)."""
+        if not self._skews:
+            return 0.0
+        return sorted(self._skews)[len(self._skews) // 2]
 
     def _headers(self, extra: Mapping[str, str] | None, *, multipart: bool = False) -> httpx.Headers:
         headers = httpx.Headers(self.headers)

@@ -24,12 +24,12 @@ from batchrun.providers.base import PreparedRequest
 from batchrun.providers.batches import (
     BatchHttp,
     BatchLineError,
-    BatchRefusedError,
     Candidate,
     FileFormat,
     RemoteBatch,
     ResultLine,
     lines_of,
+    refused,
     spooled,
 )
 
@@ -89,19 +89,12 @@ class OpenAIBatchApi:
         return str(data["id"])
 
     async def find_upload(self, shard: ShardRecord) -> str | None:
-        name, after = _name(shard), None
-        for _ in range(LIST_PAGES):
-            params: dict[str, Any] = {"purpose": "batch", "limit": 1000, "order": "desc"}
-            if after:
-                params["after"] = after
-            page = await self.http.json("GET", self._url("/files"), params=params)
-            files = [f for f in page.get("data") or [] if isinstance(f, dict)]
+        name = _name(shard)
+        async for files in self.http.pages(self._url("/files"), {"purpose": "batch", "limit": 1000, "order": "desc"},
+                                           cursor="after", max_pages=LIST_PAGES):
             for f in files:
                 if f.get("filename") == name:
                     return str(f["id"])
-            if not page.get("has_more") or not files:
-                return None
-            after = str(files[-1].get("id"))
         return None
 
     async def create(self, shard: ShardRecord, path: Path) -> RemoteBatch:
@@ -114,32 +107,24 @@ class OpenAIBatchApi:
         try:
             data = await self.http.json("POST", self._url("/batches"), json=body, retry=False)
         except PermanentError as exc:
-            if exc.status_code in (408, 409, 425):
-                raise
-            raise BatchRefusedError(exc.message, status_code=exc.status_code, body=exc.body) from exc
+            raise refused(exc) from exc
         return batch_of(data)
 
     async def get(self, batch_id: str) -> RemoteBatch:
         return batch_of(await self.http.json("GET", self._url(f"/batches/{batch_id}")))
 
-    async def candidates(self, shard: ShardRecord) -> list[Candidate]:
-        """Batches carrying this shard's name in their metadata, or made from its uploaded file."""
-        since = (shard.create_sent_at or shard.created_at) - LOOK_BACK_S
+    async def candidates(self, shard: ShardRecord, sent_at: float) -> list[Candidate]:
+        """Batches carrying this shard's name in their metadata, or made from its uploaded file (certain)."""
+        since = sent_at + self.http.clock_skew - LOOK_BACK_S
         found: list[Candidate] = []
-        after = None
-        for _ in range(LIST_PAGES):
-            params: dict[str, Any] = {"limit": 100}
-            if after:
-                params["after"] = after
-            page = await self.http.json("GET", self._url("/batches"), params=params)
-            batches = [batch_of(b) for b in page.get("data") or [] if isinstance(b, dict)]
+        async for page in self.http.pages(self._url("/batches"), {"limit": 100}, cursor="after", max_pages=LIST_PAGES):
+            batches = [batch_of(b) for b in page]
             for batch in batches:
                 if batch.token == shard.token or (shard.input_file_id and batch.input_file_id == shard.input_file_id):
                     found.append(Candidate(batch, certain=True))
-            oldest = [b.created_at for b in batches if b.created_at is not None]
-            if not page.get("has_more") or not batches or (oldest and max(oldest) < since):
+            created = [b.created_at for b in batches if b.created_at is not None]
+            if created and max(created) < since:
                 break
-            after = batches[-1].id
         return found
 
     async def cancel(self, batch_id: str) -> RemoteBatch:
@@ -158,13 +143,8 @@ class OpenAIBatchApi:
 
     async def discard(self, shard: ShardRecord) -> None:
         for file_id in dict.fromkeys((shard.input_file_id, shard.output_file_id, shard.error_file_id)):
-            if not file_id:
-                continue
-            try:
-                await self.http.call("DELETE", self._url(f"/files/{file_id}"))
-            except PermanentError as exc:
-                if exc.status_code != 404:  # gone already: what we wanted
-                    raise
+            if file_id:
+                await self.http.delete(self._url(f"/files/{file_id}"))
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -5,6 +5,7 @@ and the error a route raises to answer in its API's error shape."""
 from __future__ import annotations
 
 import asyncio
+import email.utils
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,11 +120,16 @@ class Call:
         return value
 
 
+def _date() -> bytes:
+    """The ``Date`` header every real API answer carries (clients read the server's clock from it)."""
+    return b"date: %s\r\n" % email.utils.formatdate(usegmt=True).encode()
+
+
 async def send(writer: asyncio.StreamWriter, reply: Reply, req_id: bytes, keep: bool,
                rid: bytes, extra: bytes = b"") -> None:
     """Write ``reply``; a file goes out in pieces, read from disk as it is sent."""
     if reply.file is None:
-        writer.write(response_head(reply.status, len(reply.body), req_id, keep, extra, rid)
+        writer.write(response_head(reply.status, len(reply.body), req_id, keep, extra + _date(), rid)
                      + reply.body)
         await writer.drain()
         return

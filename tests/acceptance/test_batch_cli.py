@@ -67,7 +67,7 @@ def test_no_wait_leaves_the_batch_at_the_provider_and_a_later_run_collects_it(tm
         assert {x["status"] for x in lines} == {"succeeded"}
         assert server.billed_by_key() and set(server.billed_by_key().values()) == {1}
         status = orjson.loads(run_cli(tmp_path, "status", "1", "--db", db, "--json").stdout)
-        assert status["batch"]["answered"] == {"batch": 12, "online": 0}
+        assert status["batch"]["answered"] == {"batch": 12, "online": 0, "cache": 0}
 
 
 def test_cancel_cancels_the_live_batch_at_the_provider(tmp_path: Path, slow_batches: FakeProviderServer) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from batchrun.batch import BatchOptions
@@ -328,3 +329,189 @@ def test_report_and_its_page_show_the_shards_and_their_turnaround(
     assert "Provider batches (batch mode)" in text and "answered 8 by batch, 0 online" in text
     page = render_html(data)
     assert "Provider batches (batch mode)" in page and page.count("<td class=\"n\">4</td>") >= 2
+
+
+class Intercept(httpx.AsyncBaseTransport):
+    """The real transport, unless ``hook(request)`` answers instead (returns a Response)."""
+
+    def __init__(self, hook: Callable[[httpx.Request], Awaitable[httpx.Response | None]]) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.hook = hook
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        answer = await self.hook(request)
+        return answer if answer is not None else await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def creates(answers: list[str]) -> Intercept:
+    """Anthropic/OpenAI creates answered in turn: "lost" (made, answered 500), "overloaded" (529, not made),
+    "pass" (as the server answers); after the list, every create passes."""
+    left = list(answers)
+
+    async def hook(request: httpx.Request) -> httpx.Response | None:
+        if request.method != "POST" or not request.url.path.endswith(("/messages/batches", "/v1/batches")):
+            return None
+        what = left.pop(0) if left else "pass"
+        if what == "lost":
+            made = await transport.inner.handle_async_request(request)
+            await made.aclose()
+            return httpx.Response(500, json={"type": "error", "error": {"type": "api_error", "message": "Internal"}})
+        if what == "overloaded":
+            return httpx.Response(529, json={"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})
+        return None
+
+    transport = Intercept(hook)
+    return transport
+
+
+def test_an_anthropic_shard_never_adopts_a_sibling_shards_batch(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    """Shard 1's create makes nothing (529), shard 2's is made but answered 500: both look alike (same size,
+    same minute). Each shard's lines carry its own tag, so shard 1 cannot take shard 2's batch for its own."""
+    spec = spec_for(server, "anthropic", batch={"max_requests": 10})
+    job_id = submit(ledger, spec, write_jsonl(records(20)))
+    summary = run(ledger, job_id, transport=creates(["overloaded", "lost"]))
+    assert summary.exit_code == ExitCode.OK, summary.result
+    billed_once(server, 20)
+    batch_ids = [s.batch_id for s in ShardLedger(ledger).shards(job_id) if s.state == ShardState.COLLECTED]
+    assert len(batch_ids) == len(set(batch_ids)) == 2
+
+
+def test_another_ledgers_look_alike_batch_is_never_adopted_nor_deleted(
+    tmp_path: Path, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    """Two ledgers, the same records under two prompts: A's create makes nothing, B's batch (same size, same
+    minute) is live. A does not take B's answers for its own, and B's batch is still there for B."""
+    data = write_jsonl(records(10))
+    a, b = Ledger.open(str(tmp_path / "a.db")), Ledger.open(str(tmp_path / "b.db"))
+    try:
+        spec_b = spec_for(server, "anthropic", request={"template": "Translate: {text}", "max_tokens": 40})
+        job_b = submit(b, spec_b, data)
+        assert run(b, job_b, wait=False).counts[ItemState.SUBMITTED] == 10
+        job_a = submit(a, spec_for(server, "anthropic"), data)
+        summary_a = run(a, job_a, transport=creates(["overloaded"]))
+        assert summary_a.exit_code == ExitCode.OK
+        assert all(o and o.startswith("echo: Say: record") for o in outputs(a, job_a).values())
+        summary_b = run(b, job_b)
+        assert summary_b.exit_code == ExitCode.OK, summary_b.result
+        assert all(o and o.startswith("echo: Translate: record") for o in outputs(b, job_b).values())
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_slow_host_clock_still_finds_a_lost_anthropic_create(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This host's clock 20 minutes behind the provider's (every batchrun module's; the fake server keeps the
+    true one): the window a lost create is looked for in is set by the provider's Date header."""
+    import time as real_time
+    import types
+
+    import batchrun.batch
+    import batchrun.ledger.shards
+    import batchrun.ledger.store
+    import batchrun.providers.batches
+
+    slow = types.SimpleNamespace(
+        time=lambda: real_time.time() - 1200, monotonic=real_time.monotonic, sleep=real_time.sleep,
+        strftime=real_time.strftime, localtime=real_time.localtime,
+    )
+    for module in (batchrun.batch, batchrun.ledger.shards, batchrun.ledger.store, batchrun.providers.batches):
+        monkeypatch.setattr(module, "time", slow)
+    job_id = submit(ledger, spec_for(server, "anthropic"), write_jsonl(records(10)))
+    summary = run(ledger, job_id, transport=creates(["lost"]))
+    assert summary.exit_code == ExitCode.OK
+    billed_once(server, 10)
+
+
+def test_a_create_that_cannot_go_out_in_time_is_never_sent(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run frozen between marking the shard `creating` and sending the create (SIGSTOP): once awake it sends
+    nothing if the create's time is up, because a run that took the job over meanwhile may have sent it again."""
+    from batchrun.providers.openai_batch import OpenAIBatchApi
+
+    monkeypatch.setattr(OpenAIBatchApi, "create_timeout", 0.3)
+    real_create = OpenAIBatchApi.create
+
+    async def frozen_then_create(self: OpenAIBatchApi, shard: Any, path: Path) -> Any:
+        await asyncio.sleep(1.0)  # the freeze: the monotonic clock went on
+        return await real_create(self, shard, path)
+
+    monkeypatch.setattr(OpenAIBatchApi, "create", frozen_then_create)
+    job_id = submit(ledger, spec_for(server), write_jsonl(records(5)))
+    summary = run(ledger, job_id)
+    assert server.batch_calls()["POST /v1/batches"] == 0  # nothing ever went out
+    # Each try was reconciled (nothing there) and sent again, MAX_CREATES times; then the run stops.
+    [shard] = ShardLedger(ledger).shards(job_id)
+    assert shard.state == ShardState.FAILED and shard.creates == 3 and "never found" in (shard.error or "")
+    assert summary.result.stop_reason == StopReason.ERROR and summary.counts[ItemState.PENDING] == 5
+
+
+def test_cancel_then_resume_sends_nothing_more(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    """What a user-cancelled shard would send again (expired, retryable, re-asks) is cancelled instead."""
+    from batchrun.batch import cancel_shards
+
+    server.batch_faults = BatchFaults(turnaround_s=3.0, p_line_500=0.5, seed=18)
+    job_id = submit(ledger, spec_for(server, batch={"max_requests": 10}), write_jsonl(records(10)))
+    assert run(ledger, job_id, wait=False).counts[ItemState.SUBMITTED] == 10
+    asyncio.run(asyncio.sleep(1.5))  # some lines answered (some of them 500), the rest not yet
+    done = asyncio.run(cancel_shards(ledger, ledger.get_job(job_id)))
+    assert done.shards == 1 and not done.problems
+    summary = run(ledger, job_id)
+    assert summary.counts[ItemState.PENDING] == summary.counts[ItemState.SUBMITTED] == 0
+    assert summary.counts[ItemState.CANCELLED] > 0
+    assert server.batch_calls()["POST /v1/batches"] == 1  # no new batch after the cancel
+
+
+def test_the_budget_counts_what_live_batches_reserved_when_the_job_goes_online(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    from batchrun.ledger import LedgerQueries as Queries
+
+    server.batch_faults = BatchFaults(turnaround_s=2.0, seed=19)
+    spec = spec_for(server, run={"budget_usd": 0.00004}, batch={"max_requests": 10})
+    job_id = submit(ledger, spec, write_jsonl(records(40)))
+    first = run(ledger, job_id, wait=False)
+    assert first.counts[ItemState.SUBMITTED] > 0
+    reserved = ledger.spent_usd(job_id)
+    assert reserved > 0  # the live shards' worst case
+    online = run(ledger, job_id, overrides=Overrides(mode="online"))
+    assert online.exit_code in (ExitCode.BUDGET, ExitCode.OK, ExitCode.SOME_FAILED)
+    spent = Queries(ledger.engine).spent_usd(job_id)
+    assert spent <= 0.00004 * (1 + 1e-9)
+
+
+def test_a_batch_the_provider_no_longer_has_gives_its_items_back(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    from sqlalchemy import text
+
+    server.batch_faults = BatchFaults(turnaround_s=30.0, seed=20)
+    job_id = submit(ledger, spec_for(server), write_jsonl(records(4)))
+    assert run(ledger, job_id, wait=False).counts[ItemState.SUBMITTED] == 4
+    with ledger.engine.begin() as conn:  # deleted at the provider, or past its retention
+        conn.execute(text("update shards set batch_id = 'batch_gone'"))
+    server.batch_faults = BatchFaults(turnaround_s=0.2, seed=20)
+    summary = run(ledger, job_id)
+    assert summary.exit_code == ExitCode.OK
+    first = ShardLedger(ledger).shards(job_id)[0]
+    assert first.state == ShardState.FAILED and "no longer has batch batch_gone" in (first.error or "")
+
+
+def test_an_anthropic_create_refused_for_its_size_is_sent_again_smaller(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.batch_faults = BatchFaults(turnaround_s=0.2, max_batch_requests=15, seed=21)
+    job_id = submit(ledger, spec_for(server, "anthropic"), write_jsonl(records(40)))
+    assert run(ledger, job_id).exit_code == ExitCode.OK
+    sizes = [s.requests for s in ShardLedger(ledger).shards(job_id) if s.state == ShardState.COLLECTED]
+    assert max(sizes) <= 15
+    billed_once(server, 40)

@@ -36,7 +36,7 @@ def test_a_shard_holds_exactly_its_items(ledger: Ledger) -> None:
     assert (counts[ItemState.SUBMITTED], counts[ItemState.PENDING]) == (3, 2)
     assert [i.custom_id for i in shards.iter_shard_items(shard.id)] == ["c1", "c2", "c3"]
     assert [i.custom_id for i in shards.pending_items(job_id)] == ["c4", "c5"]
-    assert shards.reserved_usd(job_id) == pytest.approx(0.5)
+    assert ledger.spent_usd(job_id) == pytest.approx(0.5)  # the budget counts what open shards reserved
     # The online runner never claims a submitted item.
     assert [c.custom_id for c in ledger.claim(job_id, run, 10, 60, exclusive=True)] == ["c4", "c5"]
     # A second shard of items already taken holds only what is still pending.
@@ -64,7 +64,8 @@ def test_a_results_line_lands_once(ledger: Ledger) -> None:
     # What the results did not name goes back to pending, uncharged; the shard is collected.
     assert shards.close(shard, run) == 1
     assert rows["c3"].attempts == 0 and queries.counts(job_id)[ItemState.PENDING] == 2
-    assert shards.get(shard.id).state == ShardState.COLLECTED and shards.reserved_usd(job_id) == 0.0
+    assert shards.get(shard.id).state == ShardState.COLLECTED
+    assert ledger.spent_usd(job_id) == pytest.approx(0.02)  # the reservation is gone once the results are in
     assert [i.custom_id for i in shards.pending_items(job_id)] == ["c2", "c3"]
 
 
@@ -94,6 +95,32 @@ def test_a_refused_shard_fails_the_named_lines_and_gives_back_the_rest(ledger: L
     assert (refused.state, refused.error) == (ShardState.FAILED, "invalid line")
 
 
+def test_a_replayed_add_finds_its_shard(ledger: Ledger) -> None:
+    """A transaction retried after its acknowledgement was lost (PostgreSQL ride-out) makes no second shard."""
+    job_id = make_job(ledger, 2)
+    shards = ShardLedger(ledger)
+    run = ledger.start_run(job_id, "submit", exclusive=True)
+    the_plan = plan([i.id for i in shards.pending_items(job_id)], token="replayed")
+    first = shards.add(job_id, run, the_plan)
+    again = shards.add(job_id, run, the_plan)
+    assert again.id == first.id and len(shards.shards(job_id)) == 1 and again.requests == 2
+
+
+def test_shard_line_ids_name_the_shard_where_asked(ledger: Ledger) -> None:
+    job_id = make_job(ledger, 2)
+    shards = ShardLedger(ledger)
+    run = ledger.start_run(job_id, "submit", exclusive=True)
+    items = shards.pending_items(job_id)
+    named = ShardPlan(token=f"{job_id}-00ff00ff00ff00ff", kind="anthropic", endpoint=None, model="m", own_ids=False,
+                      item_ids=[i.id for i in items])
+    shard = shards.add(job_id, run, named)
+    ids = [shard.line_id(i.id, i.custom_id) for i in items]
+    assert ids == [f"00ff00ff00ff00ff_{i.id}" for i in items]
+    assert [shard.item_of(x) for x in ids] == [i.id for i in items]
+    assert shard.item_of("c1") is None and shard.item_of("0123_5") is None  # another shard's, or an item's own
+    assert set(shards.items_by_line_id(shard, [*ids, "ffff_1"])) == set(ids)
+
+
 def test_a_run_taken_over_writes_nothing_to_its_shards(ledger: Ledger) -> None:
     job_id = make_job(ledger, 2)
     shards = ShardLedger(ledger)
@@ -120,6 +147,30 @@ def test_update_records_what_the_provider_said(ledger: Ledger) -> None:
     live = shards.update(shard, run, state=ShardState.LIVE, batch_id="batch_1", counts={"total": 1, "completed": 0})
     assert (live.batch_id, dict(live.counts)) == ("batch_1", {"total": 1, "completed": 0})
     assert shards.known_batch_ids("openai") == {"batch_1"}
-    assert shards.first_created_at(job_id) == pytest.approx(shard.created_at)
+    assert not shards.deadline_passed(job_id, 60.0) and shards.deadline_passed(job_id, -1.0)
+    sent = shards.sending_create(live, run)
+    assert (sent.state, sent.creates, sent.run_id) == (ShardState.CREATING, 1, run)
+    assert sent.create_sent_at is not None and abs(sent.create_sent_at - shards.now()) < 5
     with pytest.raises(ValueError, match="job_id"):
         shards.update(shard, run, job_id=2)
+
+
+def test_a_late_online_answer_lands_on_an_item_now_in_a_shard(ledger: Ledger) -> None:
+    """An online run frozen past its lock's staleness; the job is taken over in batch mode and the item put
+    in a shard: the online answer it paid for still lands (an answer is never thrown away while the item
+    has none), and the shard's later line for it lands on nothing."""
+    job_id = make_job(ledger, 1)
+    shards = ShardLedger(ledger)
+    old = ledger.start_run(job_id, "submit", exclusive=True)
+    [claimed] = ledger.claim(job_id, old, 1, 60, exclusive=True, token=1)
+    make_stale(ledger, job_id)
+    new = ledger.start_run(job_id, "resume", exclusive=True)
+    assert ledger.requeue_orphans(job_id, new) == 1
+    shard = shards.add(job_id, new, plan([claimed.id]))
+    late = Outcome(claimed.id, ItemState.SUCCEEDED, 1, status_code=200, response="{}", output="online", claim=1)
+    ledger.record(old, [late], [])
+    [row] = LedgerQueries(ledger.engine).iter_items(job_id)
+    assert (row.state, row.output) == (ItemState.SUCCEEDED, "online")
+    line = Outcome(claimed.id, ItemState.SUCCEEDED, 1, status_code=200, response="{}", output="batch")
+    assert shards.record_results(shard, new, [line], [attempt(job_id, claimed.id, new, shard.id)]) == 0
+    assert [r.output for r in LedgerQueries(ledger.engine).iter_items(job_id)] == ["online"]
