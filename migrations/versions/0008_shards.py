@@ -47,7 +47,7 @@ def upgrade() -> None:
         sa.Column("counts", sa.Text()),
         sa.Column("created_at", sa.Float(), nullable=False),
         sa.Column("create_sent_at", sa.Float()),
-        sa.Column("creates", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("creates", sa.Integer(), nullable=False, server_default=sa.text("0")),
         sa.Column("provider_created_at", sa.Float()),
         sa.Column("in_progress_at", sa.Float()),
         sa.Column("ended_at", sa.Float()),
