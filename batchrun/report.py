@@ -21,10 +21,6 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import orjson
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
 from batchrun.errors import ExportError
 from batchrun.budget import budget_status
@@ -33,6 +29,9 @@ from batchrun.ledger import AttemptTotals, Distribution, ErrorGroup, Ledger, Led
 from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState
 
 if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from rich.table import Table
+
     from batchrun.ledger.shards import ShardRecord
 
 PERCENTILES = (50, 90, 99)
@@ -448,6 +447,9 @@ def watch_status(
     plain line each time) or ``json`` (one JSON object a line).
     """
     if mode == "live":
+        from rich.console import Console
+        from rich.live import Live
+
         console = Console(file=out)
         data = job_status(ledger, job_id)
         with Live(_status_panel(data), console=console, auto_refresh=False) as live:
@@ -466,12 +468,18 @@ def watch_status(
 
 
 def _status_panel(data: dict[str, Any]) -> RenderableType:
+    from rich.console import Group
+    from rich.text import Text
+
     when = time.strftime("%H:%M:%S", time.localtime(data["as_of"]))
     footer = "done" if data["done"] else "Ctrl-C to stop watching (the job carries on)"
     return Group(Text("\n".join(status_lines(data))), Text(f"  as of {when}; {footer}", style="dim"))
 
 
 def _table(title: str, *columns: str, right: Sequence[int] = (), header: bool = True) -> Table:
+    # rich is imported where a table is drawn: `status` prints plain lines and starts without it.
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left", title_style="bold", show_header=header)
     for i, name in enumerate(columns):
         table.add_column(name, justify="right" if i in right else "left", overflow="fold")

@@ -24,6 +24,7 @@ from sqlalchemy import ColumnElement, Engine, Integer, and_, case, func, literal
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError
 
+from batchrun.ledger.basics import SHOW_FILTERS
 from batchrun.ledger.engine import LEDGER_RETRY_SECONDS, is_transient
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import item_columns
@@ -128,8 +129,6 @@ class AttemptRow:
     item_id: int = 0
 
 
-# What ``batchrun show --where`` can choose items by: columns of the items table.
-SHOW_FILTERS = ("state", "error_class", "status_code", "custom_id")
 RECONNECT_PAUSE_S = 1.0  # between tries to reopen an export's cursor while the server is away
 _ITEM_ROW_COLUMNS = item_columns(ItemRow, {"item_id": "id"})
 _ATTEMPT_ROW_COLUMNS = tuple(attempts_t.c[f.name] for f in dataclasses.fields(AttemptRow))

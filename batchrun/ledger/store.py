@@ -45,6 +45,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerBusyError, LockLostError
+from batchrun.ledger.basics import RETRY_FILTERS
 from batchrun.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE_OPTION, open_engine
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import exports as exports_t
@@ -59,8 +60,6 @@ from batchrun.spec import JobSpec
 from batchrun.states import OPEN_SHARD_STATES, ItemState, no_counts
 
 
-# What `batchrun retry --where` may narrow the items to send again by.
-RETRY_FILTERS = ("error_class", "status_code", "custom_id")
 
 
 @dataclass(frozen=True)
