@@ -1,4 +1,4 @@
-"""The ledger schema: jobs, items, attempts, runs, exports, rate buckets and shards.
+"""The ledger schema: jobs, items, attempts, runs, exports, rate buckets, shards and item counts.
 
 Times are UNIX seconds as floats: portable between SQLite and PostgreSQL and
 cheap to compare on the hot path.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text, text
+from sqlalchemy import DDL, BigInteger, Boolean, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text, event, text
 
 # SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -109,6 +109,14 @@ items = Table(
         sqlite_where=text("cached_from IS NOT NULL"),
         postgresql_where=text("cached_from IS NOT NULL"),
     ),
+    # Errors by class and by status (status, report) read only the items that have one.
+    Index(
+        "ix_items_errors",
+        "job_id",
+        "error_class",
+        sqlite_where=text("error_class IS NOT NULL"),
+        postgresql_where=text("error_class IS NOT NULL"),
+    ),
     # One row per input line: an item or a rejected line, never both, never twice.
     Index("uq_items_job_line", "job_id", "line", unique=True),
     # Only rejected lines may repeat a custom_id (a duplicate is itself rejected).
@@ -151,6 +159,13 @@ attempts = Table(
     Column("seq", Integer),
     Column("shard_id", BigId),  # batch mode: the shard whose results line this is (null: an online request)
     Index("uq_attempts_run_seq", "run_id", "seq", unique=True),
+    Index(
+        "ix_attempts_errors",
+        "job_id",
+        "error_class",
+        sqlite_where=text("error_class IS NOT NULL"),
+        postgresql_where=text("error_class IS NOT NULL"),
+    ),
 )
 
 exports = Table(
@@ -219,3 +234,73 @@ shards = Table(
     Column("error", Text),  # why the provider refused it, or what went wrong collecting it
     Index("ix_shards_job_state", "job_id", "state"),
 )
+
+# How many of a job's items are in each state: the sum of ``n`` over a job's rows of a state.
+# The database keeps it (triggers on items, below), so every write of any code path counts,
+# and ``status``/``list`` read a few rows instead of counting a million items.
+#
+# - SQLite (one writer at a time): one row per job and state, updated by row triggers.
+# - PostgreSQL (many writers): rows are only appended, one per state a statement changed
+#   (statement triggers over the transition tables), so concurrent writers never wait on a
+#   shared counter row; :meth:`~batchrun.ledger.store.Ledger.fold_counts` folds a job's rows
+#   into one per state now and then.
+#
+# A migration that rebuilds ``items`` (``batch_alter_table`` on SQLite) drops the triggers with
+# it and must create them again (tests/integration/test_ledger.py compares the schemas).
+item_counts = Table(
+    "item_counts",
+    metadata,
+    Column("job_id", BigId, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("n", BigInteger, nullable=False),
+    Index("ix_item_counts_job_state", "job_id", "state"),
+)
+
+ITEM_COUNT_TRIGGERS = {
+    "sqlite": (
+        """CREATE TRIGGER items_counted_insert AFTER INSERT ON items BEGIN
+            UPDATE item_counts SET n = n + 1 WHERE job_id = NEW.job_id AND state = NEW.state;
+            INSERT INTO item_counts (job_id, state, n) SELECT NEW.job_id, NEW.state, 1
+                WHERE NOT EXISTS (SELECT 1 FROM item_counts WHERE job_id = NEW.job_id AND state = NEW.state);
+        END""",
+        """CREATE TRIGGER items_counted_update AFTER UPDATE OF state ON items WHEN OLD.state IS NOT NEW.state BEGIN
+            UPDATE item_counts SET n = n - 1 WHERE job_id = OLD.job_id AND state = OLD.state;
+            UPDATE item_counts SET n = n + 1 WHERE job_id = NEW.job_id AND state = NEW.state;
+            INSERT INTO item_counts (job_id, state, n) SELECT NEW.job_id, NEW.state, 1
+                WHERE NOT EXISTS (SELECT 1 FROM item_counts WHERE job_id = NEW.job_id AND state = NEW.state);
+        END""",
+        """CREATE TRIGGER items_counted_delete AFTER DELETE ON items BEGIN
+            UPDATE item_counts SET n = n - 1 WHERE job_id = OLD.job_id AND state = OLD.state;
+        END""",
+    ),
+    "postgresql": (
+        """CREATE FUNCTION batchrun_count_items() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF TG_OP = 'INSERT' THEN
+                INSERT INTO item_counts (job_id, state, n)
+                    SELECT job_id, state, count(*) FROM new_rows GROUP BY job_id, state;
+            ELSIF TG_OP = 'DELETE' THEN
+                INSERT INTO item_counts (job_id, state, n)
+                    SELECT job_id, state, -count(*) FROM old_rows GROUP BY job_id, state;
+            ELSE
+                INSERT INTO item_counts (job_id, state, n)
+                    SELECT job_id, state, sum(d) FROM (
+                        SELECT job_id, state, -1 AS d FROM old_rows
+                        UNION ALL SELECT job_id, state, 1 AS d FROM new_rows
+                    ) AS moved GROUP BY job_id, state HAVING sum(d) <> 0;
+            END IF;
+            RETURN NULL;
+        END $$""",
+        """CREATE TRIGGER items_counted_insert AFTER INSERT ON items REFERENCING NEW TABLE AS new_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION batchrun_count_items()""",
+        """CREATE TRIGGER items_counted_update AFTER UPDATE ON items REFERENCING OLD TABLE AS old_rows
+            NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION batchrun_count_items()""",
+        """CREATE TRIGGER items_counted_delete AFTER DELETE ON items REFERENCING OLD TABLE AS old_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION batchrun_count_items()""",
+    ),
+}
+
+for _dialect, _statements in ITEM_COUNT_TRIGGERS.items():
+    for _statement in _statements:
+        # After every table (items among them) exists.
+        event.listen(metadata, "after_create", DDL(_statement).execute_if(dialect=_dialect))  # type: ignore[no-untyped-call]

@@ -28,6 +28,7 @@ from batchrun.ledger.basics import SHOW_FILTERS
 from batchrun.ledger.engine import LEDGER_RETRY_SECONDS, is_transient
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import item_columns
+from batchrun.ledger.models import item_counts as counts_t
 from batchrun.ledger.models import items as items_t
 from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState, no_counts
 
@@ -142,13 +143,17 @@ class LedgerQueries:
         self.is_sqlite = engine.dialect.name == "sqlite"
 
     def counts(self, job_id: int) -> dict[str, int]:
-        """How many of the job's items are in each state (every state present, 0 if none)."""
+        """How many of the job's items are in each state (every state present, 0 if none).
+
+        Read from ``item_counts``, which the database keeps (models.py): a few rows, not the items.
+        """
         counts = no_counts()
         with self.engine.connect() as conn:
             for state, n in conn.execute(
-                select(items_t.c.state, func.count()).where(items_t.c.job_id == job_id).group_by(items_t.c.state)
+                select(counts_t.c.state, func.sum(counts_t.c.n)).where(counts_t.c.job_id == job_id).group_by(counts_t.c.state)
             ):
-                counts[state] = n
+                if n:
+                    counts[state] = int(n)
         return counts
 
     def cached_count(self, job_id: int) -> int:

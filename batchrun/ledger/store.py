@@ -37,6 +37,7 @@ from sqlalchemy import (
     or_,
     literal_column,
     select,
+    text,
     update,
 )
 from sqlalchemy import cast as sql_cast
@@ -50,6 +51,7 @@ from batchrun.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE_OPTION, open_en
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import exports as exports_t
 from batchrun.ledger.models import item_columns
+from batchrun.ledger.models import item_counts as counts_t
 from batchrun.ledger.models import items as items_t
 from batchrun.ledger.models import jobs as jobs_t
 from batchrun.ledger.models import rate_buckets as buckets_t
@@ -60,6 +62,7 @@ from batchrun.spec import JobSpec
 from batchrun.states import OPEN_SHARD_STATES, ItemState, no_counts
 
 
+_FOLD_LOCK_KEY = 0x636F756E  # "coun": the PostgreSQL advisory lock (with the job id) around a fold of its counts
 
 
 @dataclass(frozen=True)
@@ -429,9 +432,11 @@ class Ledger:
             ids = conn.execute(select(jobs_t.c.id).order_by(jobs_t.c.id)).scalars().all()
             counts: dict[int, dict[str, int]] = {i: no_counts() for i in ids}
             for job_id, state, n in conn.execute(
-                select(items_t.c.job_id, items_t.c.state, func.count()).group_by(items_t.c.job_id, items_t.c.state)
+                select(counts_t.c.job_id, counts_t.c.state, func.sum(counts_t.c.n))
+                .group_by(counts_t.c.job_id, counts_t.c.state)
             ):
-                counts[job_id][state] = n
+                if job_id in counts and n:
+                    counts[job_id][state] = int(n)
         return [(self.get_job(i), counts[i]) for i in ids]
 
     # -- ingest -------------------------------------------------------------
@@ -545,9 +550,29 @@ class Ledger:
         with self._write() as conn:
             if run_id is not None:
                 self._renew_lock(conn, job_id, run_id)
-            total = conn.execute(select(func.count()).where(items_t.c.job_id == job_id)).scalar() or 0
+            total = conn.execute(select(func.sum(counts_t.c.n)).where(counts_t.c.job_id == job_id)).scalar() or 0
             conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(ingest_done=True, total=total))
+        self.fold_counts(job_id)
         return int(total)
+
+    def fold_counts(self, job_id: int) -> None:
+        """PostgreSQL: fold the job's rows of ``item_counts`` into one per state (the triggers append
+        one per state a statement changed; models.py). Skipped while another fold of the job runs.
+        SQLite keeps one row per state already."""
+        if self.is_sqlite:
+            return
+        with self._write() as conn:
+            if not conn.execute(
+                text("SELECT pg_try_advisory_xact_lock(:key, :job)"), {"key": _FOLD_LOCK_KEY, "job": job_id % 2**31}
+            ).scalar():
+                return
+            conn.execute(
+                text(
+                    "WITH gone AS (DELETE FROM item_counts WHERE job_id = :job RETURNING state, n) "
+                    "INSERT INTO item_counts (job_id, state, n) SELECT :job, state, sum(n) FROM gone GROUP BY state"
+                ),
+                {"job": job_id},
+            )
 
     # -- runs and the job lock ---------------------------------------------
     #
@@ -642,7 +667,8 @@ class Ledger:
                 .values(lease_expires=now + lease_seconds)
                 .returning(items_t.c.id, items_t.c.lease_claim)
             ).all()
-            return {int(item_id): int(claim or 0) for item_id, claim in held}
+        self.fold_counts(job_id)
+        return {int(item_id): int(claim or 0) for item_id, claim in held}
 
     def end_run(self, job_id: int, run_id: str, exit_code: int) -> None:
         with self._write() as conn:
