@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         ItemDetail,
         ItemRow,
         LedgerQueries,
+        RunRow,
         SharedOutputs,
     )
     from batchrun.ledger.store import AttemptRecord, CachedAnswer, ClaimedItem, JobRecord, Ledger, Outcome
@@ -44,7 +45,7 @@ _LAZY = {
     "RunLedger": "batchrun.ledger.protocol",
     **dict.fromkeys(
         ("AttemptRow", "AttemptTotals", "Distribution", "ErrorGroup", "ItemDetail", "ItemRow", "LedgerQueries",
-         "SharedOutputs"),
+         "RunRow", "SharedOutputs"),
         "batchrun.ledger.queries",
     ),
     **dict.fromkeys(
@@ -81,6 +82,7 @@ __all__ = [
     "LedgerQueries",
     "Outcome",
     "RunLedger",
+    "RunRow",
     "SharedOutputs",
     "database_error_line",
     "default_db_path",

@@ -20,7 +20,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, Integer, and_, case, func, literal_column, select
+from sqlalchemy import ColumnElement, Engine, Float, Integer, and_, case, extract, func, literal_column, or_, select
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError
 
@@ -30,6 +30,7 @@ from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import item_columns
 from batchrun.ledger.models import item_counts as counts_t
 from batchrun.ledger.models import items as items_t
+from batchrun.ledger.models import runs as runs_t
 from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState, no_counts
 
 
@@ -131,6 +132,20 @@ class AttemptRow:
 
 
 RECONNECT_PAUSE_S = 1.0  # between tries to reopen an export's cursor while the server is away
+@dataclass(frozen=True)
+class RunRow:
+    """A run of a job, as its process last reported: who, where, and its heartbeat (the ledger's clock)."""
+
+    id: str
+    command: str
+    pid: int
+    host: str
+    started_at: float
+    heartbeat_at: float
+    ended_at: float | None
+    exit_code: int | None
+
+
 _ITEM_ROW_COLUMNS = item_columns(ItemRow, {"item_id": "id"})
 _ATTEMPT_ROW_COLUMNS = tuple(attempts_t.c[f.name] for f in dataclasses.fields(AttemptRow))
 
@@ -155,6 +170,22 @@ class LedgerQueries:
                 if n:
                     counts[state] = int(n)
         return counts
+
+    def job_runs(self, job_id: int) -> tuple[list[RunRow], float]:
+        """The job's runs that have not ended, and its latest run (newest first); with the ledger's now
+        (the database's clock on PostgreSQL, as heartbeats are)."""
+        r = runs_t.c
+        latest = select(func.max(r.started_at)).where(r.job_id == job_id).scalar_subquery()
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(*(r[f.name] for f in dataclasses.fields(RunRow)))
+                .where(r.job_id == job_id, or_(r.ended_at.is_(None), r.started_at == latest))
+                .order_by(r.started_at.desc())
+            ).all()
+            now = time.time() if self.is_sqlite else float(
+                conn.execute(select(sql_cast(extract("epoch", func.statement_timestamp()), Float))).scalar_one()
+            )
+        return [RunRow(*row) for row in rows], now
 
     def cached_count(self, job_id: int) -> int:
         """How many of the job's items hold an answer reused from another item (no request sent)."""
