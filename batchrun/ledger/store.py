@@ -63,6 +63,18 @@ from batchrun.states import OPEN_SHARD_STATES, ItemState, no_counts
 
 
 _FOLD_LOCK_KEY = 0x636F756E  # "coun": the PostgreSQL advisory lock (with the job id) around a fold of its counts
+_TOTALS = ("requests", "clean", "input_tokens", "output_tokens", "cached_tokens", "cost_usd", "latency_n", "latency_sum",
+           "queue_wait_n", "queue_wait_sum", "ttft_n", "ttft_sum")
+_FOLDS = (
+    "WITH gone AS (DELETE FROM item_counts WHERE job_id = :job RETURNING state, n) "
+    "INSERT INTO item_counts (job_id, state, n) SELECT :job, state, sum(n) FROM gone GROUP BY state",
+    "WITH gone AS (DELETE FROM attempt_histogram WHERE job_id = :job RETURNING k, n) "
+    "INSERT INTO attempt_histogram (job_id, k, n) SELECT :job, k, sum(n) FROM gone GROUP BY k",
+    f"WITH gone AS (DELETE FROM attempt_totals WHERE job_id = :job RETURNING *) "
+    f"INSERT INTO attempt_totals (job_id, {', '.join(_TOTALS)}, first_started_at, last_started_at) "
+    f"SELECT :job, {', '.join(f'sum({c})' for c in _TOTALS)}, min(first_started_at), max(last_started_at) "
+    "FROM gone HAVING count(*) > 0",
+)
 
 
 @dataclass(frozen=True)
@@ -556,9 +568,9 @@ class Ledger:
         return int(total)
 
     def fold_counts(self, job_id: int) -> None:
-        """PostgreSQL: fold the job's rows of ``item_counts`` into one per state (the triggers append
-        one per state a statement changed; models.py). Skipped while another fold of the job runs.
-        SQLite keeps one row per state already."""
+        """PostgreSQL: fold the job's rows of ``item_counts`` (one per state), ``attempt_totals`` (one)
+        and ``attempt_histogram`` (one per k): the triggers append a row per statement (models.py).
+        Skipped while another fold of the job runs. SQLite keeps them folded already."""
         if self.is_sqlite:
             return
         with self._write() as conn:
@@ -566,13 +578,8 @@ class Ledger:
                 text("SELECT pg_try_advisory_xact_lock(:key, :job)"), {"key": _FOLD_LOCK_KEY, "job": job_id % 2**31}
             ).scalar():
                 return
-            conn.execute(
-                text(
-                    "WITH gone AS (DELETE FROM item_counts WHERE job_id = :job RETURNING state, n) "
-                    "INSERT INTO item_counts (job_id, state, n) SELECT :job, state, sum(n) FROM gone GROUP BY state"
-                ),
-                {"job": job_id},
-            )
+            for fold in _FOLDS:
+                conn.execute(text(fold), {"job": job_id})
 
     # -- runs and the job lock ---------------------------------------------
     #
