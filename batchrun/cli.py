@@ -20,7 +20,7 @@ from batchrun import interrupt
 from batchrun.errors import BatchrunError, LedgerWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
 from batchrun.export import FORMATS, export_job
-from batchrun.ledger import RETRY_FILTERS, SHOW_FILTERS, Ledger, database_error_line, default_db_path, is_database_error
+from batchrun.ledger.basics import RETRY_FILTERS, SHOW_FILTERS, database_error_line, default_db_path, is_database_error
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
@@ -29,11 +29,13 @@ from batchrun.tabular import INPUT_FORMATS
 
 if TYPE_CHECKING:
     from batchrun.batch import BatchOptions
+    from batchrun.ledger import Ledger
     from batchrun.jobs import DryRun, PreparedJob
     from batchrun.submission import OnStart, SubmitResult
 
-# The run machinery (httpx, aiohttp, tenacity) is imported only by the commands
-# that send requests, so status/list/export start fast.
+# The run machinery (httpx, aiohttp, tenacity) is imported only by the commands that send
+# requests, and the ledger stack (SQLAlchemy) only where a ledger is opened, so --help,
+# status, list and export start fast (tests/unit/test_startup.py keeps it so).
 
 F = TypeVar("F", bound=Callable[..., Any])
 # Commands that keep SIGINT/SIGTERM held from start-up (batchrun/interrupt.py): they store, send or
@@ -159,6 +161,8 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
 
 
 def _open(db: str | None) -> Ledger:
+    from batchrun.ledger import Ledger
+
     return Ledger.open(db)
 
 

@@ -1,6 +1,9 @@
 """The event loop of a synchronous entry point: ``run_sync(coro)`` is the library's only ``asyncio.run``.
 
-- On uvloop when it is installed (``batchrun[uvloop]``: ~10% less CPU per request).
+- On uvloop when it is importable (a dependency wherever it installs: CPython off Windows;
+  10-15% less CPU per request, bench/RESULTS.md), else on asyncio's own loop.
+  ``BATCHRUN_UVLOOP=0`` turns it off for the ``batchrun`` command (read once at its
+  start-up), :func:`use_uvloop` for a library caller.
 - In the ``batchrun`` command, the objects its start-up made (modules, the spec) live as long as
   the process, so the cyclic garbage collector stops walking them: its full collections paused
   the loop for 40-100 ms several times a run while every answer waited, and about half as long
@@ -27,13 +30,37 @@ STARTUP_GC_THRESHOLD = (50_000, 20, 20)
 RUN_GC_THRESHOLD = (700, 10, 10)  # CPython's defaults
 
 _command = False  # set by the command's first act: this process is the `batchrun` command
+_uvloop = True  # run on uvloop when it is importable
+UVLOOP_ENV = "BATCHRUN_UVLOOP"  # "0" (or "false", "no", "off"): the command runs on asyncio's loop
+
+
+def use_uvloop(enabled: bool) -> None:
+    """Whether :func:`run_sync` runs on uvloop (when importable; default) or on asyncio's own loop."""
+    global _uvloop
+    _uvloop = enabled
+
+
+def loop_name() -> str:
+    """The loop :func:`run_sync` runs on: ``uvloop`` or ``asyncio``."""
+    if _uvloop:
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            return "uvloop"
+    return "asyncio"
 
 
 def command_startup() -> None:
     """The ``batchrun`` command's start-up: the collector mostly idle until the first run freezes the heap."""
+    import os
+
     global _command
     _command = True
     gc.set_threshold(*STARTUP_GC_THRESHOLD)
+    if os.environ.get(UVLOOP_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        use_uvloop(False)
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -73,9 +100,9 @@ def _loop_running() -> bool:
 def _run(coro: Coroutine[Any, Any, T]) -> T:
     import asyncio
 
-    try:
-        import uvloop
-    except ImportError:
+    if loop_name() == "asyncio":
         return asyncio.run(coro)
+    import uvloop
+
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(coro)

@@ -26,17 +26,18 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
 from batchrun import interrupt
 from batchrun.errors import ExportError, ExportWriteError, StoppedError
-from batchrun.ledger import ItemRow, Ledger, LedgerQueries
 from batchrun.provider_registry import BATCH_FORMATS, kinds_of_format, provider_entry
-from batchrun.providers.batch_formats import RESULTS_LINES
 from batchrun.states import ERROR_STATES, OPEN_STATES, ItemState
 from batchrun.tabular import Column, csv_chunks, parquet_chunks
+
+if TYPE_CHECKING:
+    from batchrun.ledger import ItemRow, Ledger
 
 TABLE_FORMATS = ("csv", "parquet")
 FORMATS = ("results", *BATCH_FORMATS, *TABLE_FORMATS)  # ours, each provider batch API's line shape, tables
@@ -393,6 +394,10 @@ def _export(
     force: bool,
     should_stop: Callable[[], bool] | None,
 ) -> ExportResult:
+    # Here, not above: the command line imports this module for FORMATS, and --help opens no ledger.
+    from batchrun.ledger.queries import LedgerQueries
+    from batchrun.providers.batch_formats import RESULTS_LINES
+
     check_format(fmt)
     spec = ledger.get_job(job_id).spec
     structured = spec.output.schema is not None

@@ -15,24 +15,24 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import orjson
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
 from batchrun.errors import ExportError
 from batchrun.budget import budget_status
 from batchrun.export import write_atomic
-from batchrun.ledger import AttemptTotals, Distribution, ErrorGroup, Ledger, LedgerQueries
+from batchrun.ledger import AttemptTotals, Distribution, ErrorGroup, JobRecord, Ledger, LedgerQueries, RunRow
 from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState
 
 if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from rich.table import Table
+
     from batchrun.ledger.shards import ShardRecord
 
 PERCENTILES = (50, 90, 99)
@@ -91,6 +91,8 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
     worked = answered + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
     histogram = {"0": total - sum(per_item.values())} | {str(n): per_item[n] for n in sorted(per_item)}
     dists = {m: queries.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
+    run = run_status(queries, job)
+    live = run is not None and run["live"]
     data = {
         "job_id": job.id,
         "name": job.name,
@@ -113,7 +115,9 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         **{m: _distribution(d) for m, d in dists.items()},
         "elapsed_s": elapsed,
         "throughput_per_s": throughput,
-        "eta_s": remaining / throughput if throughput and remaining else None,
+        # Only a run at work has an ETA; the rate is the job's over the time it was worked.
+        "eta_s": remaining / throughput if throughput and remaining and live else None,
+        "run": run,
         "errors": {str(g.key): g.items for g in by_class if g.items},
         "attempt_errors": {str(g.key): g.attempts for g in by_class if g.attempts},
         "errors_by_class": _groups(by_class),
@@ -123,6 +127,37 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "as_of": time.time(),
     }
     return data, dists, totals
+
+
+def _run_state(run: RunRow, now: float, stale_after: float) -> str:
+    """``ended``, ``dead`` (its process is gone from this host, or its heartbeat is older than the
+    job's lock staleness) or ``live``."""
+    from batchrun.ledger.store import _pid_alive
+
+    if run.ended_at is not None:
+        return "ended"
+    if run.host == socket.gethostname() and not _pid_alive(run.pid):
+        return "dead"
+    return "dead" if now - run.heartbeat_at > stale_after else "live"
+
+
+def run_status(queries: LedgerQueries, job: JobRecord) -> dict[str, Any] | None:
+    """The ``run`` object of ``status``: whether a run is at work on the job, and its latest run
+    (None for a job no run has started)."""
+    runs, now = queries.job_runs(job.id)
+    if not runs:
+        return None
+    states = [_run_state(run, now, job.spec.run.lock_stale_seconds) for run in runs]
+    last, state = runs[0], states[0]
+    return {
+        "live": "live" in states,
+        "live_runs": states.count("live"),
+        "last": {
+            "run_id": last.id, "command": last.command, "pid": last.pid, "host": last.host, "state": state,
+            "started_at": last.started_at, "heartbeat_age_s": round(max(0.0, now - last.heartbeat_at), 3),
+            "ended_at": last.ended_at, "exit_code": last.exit_code,
+        },
+    }
 
 
 def batch_status(ledger: Ledger, job_id: int) -> dict[str, Any] | None:
@@ -333,6 +368,14 @@ def status_lines(data: dict[str, Any]) -> list[str]:
         f"  items     {data['total']} total, {data['finished']} finished" + (" (done)" if data["done"] else ""),
         "  states    " + "  ".join(f"{k} {v}" for k, v in counts.items()),
     ]
+    run = data.get("run")
+    live = run is not None and run["live"]
+    if counts["running"] and not live:
+        lines.append(
+            f"  running   {counts['running']} left by a dead run, resume to continue: batchrun resume {data['job_id']}"
+        )
+    if run is not None:
+        lines.append("  run       " + run_line(run))
     if data.get("cached"):
         lines.append(f"  reused    {data['cached']} succeeded from the response cache (no request, no cost)")
     lines += [
@@ -350,7 +393,8 @@ def status_lines(data: dict[str, Any]) -> list[str]:
         f"  queue     {_percentiles(data['queue_wait_ms'])}",
         f"  ttft      {_percentiles(data['ttft_ms'])}",
         f"  rate      {fmt_rate(data['throughput_per_s'])}"
-        + (f", eta {fmt_seconds(data['eta_s'])}" if data["eta_s"] is not None else ""),
+        + (f", eta {fmt_seconds(data['eta_s'])}" if data["eta_s"] is not None else "")
+        + ("" if live or data["throughput_per_s"] is None else " while it was worked (no run at work now)"),
     ]
     if data["errors"]:
         lines.append("  errors    " + "  ".join(f"{k} {v}" for k, v in data["errors"].items()))
@@ -366,6 +410,20 @@ def status_lines(data: dict[str, Any]) -> list[str]:
     lines.append("  attempts  " + "  ".join(f"{n}x {items}" for n, items in data["attempts_histogram"].items() if items))
     lines += batch_lines(data.get("batch"))
     return lines
+
+
+def run_line(run: dict[str, Any]) -> str:
+    """The ``run`` line of ``status``: the latest run, and whether it is at work."""
+    last = run["last"]
+    who = f"{last['command']} {last['run_id']} (pid {last['pid']} on {last['host']})"
+    if last["state"] == "ended":
+        said = f"ended (exit {last['exit_code']})"
+    elif last["state"] == "dead":
+        said = f"dead: no heartbeat for {fmt_seconds(last['heartbeat_age_s'])}"
+    else:
+        said = f"at work, heartbeat {fmt_seconds(last['heartbeat_age_s'])} ago"
+    others = run["live_runs"] - (last["state"] == "live")
+    return f"{who} {said}" + (f"; {others} more at work" if others > 0 else "")
 
 
 RETENTION_WARNING_DAYS = 7.0  # warn this long before a provider drops uncollected results
@@ -429,7 +487,7 @@ def status_line(data: dict[str, Any]) -> str:
         f"failed={c['failed']} invalid={c['invalid_output']} rejected={c['rejected']} pending={c['pending']} "
         f"running={c['running']} rate={fmt_rate(data['throughput_per_s'])} eta={fmt_seconds(data['eta_s'])} "
         f"p50={fmt_ms(lat['p50'])} p99={fmt_ms(lat['p99'])} cost={fmt_money(data['cost_usd'])} errors: {errors}"
-        + (" (done)" if data["done"] else "")
+        + (" (done)" if data["done"] else "" if data["run"] and data["run"]["live"] else " (no run at work)")
     )
 
 
@@ -448,6 +506,9 @@ def watch_status(
     plain line each time) or ``json`` (one JSON object a line).
     """
     if mode == "live":
+        from rich.console import Console
+        from rich.live import Live
+
         console = Console(file=out)
         data = job_status(ledger, job_id)
         with Live(_status_panel(data), console=console, auto_refresh=False) as live:
@@ -466,12 +527,18 @@ def watch_status(
 
 
 def _status_panel(data: dict[str, Any]) -> RenderableType:
+    from rich.console import Group
+    from rich.text import Text
+
     when = time.strftime("%H:%M:%S", time.localtime(data["as_of"]))
     footer = "done" if data["done"] else "Ctrl-C to stop watching (the job carries on)"
     return Group(Text("\n".join(status_lines(data))), Text(f"  as of {when}; {footer}", style="dim"))
 
 
 def _table(title: str, *columns: str, right: Sequence[int] = (), header: bool = True) -> Table:
+    # rich is imported where a table is drawn: `status` prints plain lines and starts without it.
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left", title_style="bold", show_header=header)
     for i, name in enumerate(columns):
         table.add_column(name, justify="right" if i in right else "left", overflow="fold")

@@ -1,25 +1,67 @@
 """The ledger: SQLAlchemy models, engine set-up, the :class:`Ledger` write side, the :class:`LedgerQueries`
 reads, :class:`RunLedger` (what a run needs of a ledger), and :class:`AsyncLedger`, which calls the ledger
-from the event loop."""
+from the event loop.
+
+The names load on first use (PEP 562), so what needs only :mod:`batchrun.ledger.basics`
+(``--help``, the filters, the default path) does not import SQLAlchemy.
+"""
 
 from __future__ import annotations
 
-from batchrun.ledger.engine import database_error_line, default_db_path, is_database_error, resolve_db_url
-from batchrun.ledger.engine import LEDGER_RETRY_SECONDS
-from batchrun.ledger.facade import AsyncLedger, ride_out
-from batchrun.ledger.protocol import RunLedger
-from batchrun.ledger.queries import (
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from batchrun.ledger.basics import (
+    RETRY_FILTERS,
     SHOW_FILTERS,
-    AttemptRow,
-    AttemptTotals,
-    Distribution,
-    ErrorGroup,
-    ItemDetail,
-    ItemRow,
-    LedgerQueries,
-    SharedOutputs,
+    database_error_line,
+    default_db_path,
+    is_database_error,
+    resolve_db_url,
 )
-from batchrun.ledger.store import RETRY_FILTERS, AttemptRecord, CachedAnswer, ClaimedItem, JobRecord, Ledger, Outcome
+
+if TYPE_CHECKING:
+    from batchrun.ledger.engine import LEDGER_RETRY_SECONDS
+    from batchrun.ledger.facade import AsyncLedger, ride_out
+    from batchrun.ledger.protocol import RunLedger
+    from batchrun.ledger.queries import (
+        AttemptRow,
+        AttemptTotals,
+        Distribution,
+        ErrorGroup,
+        ItemDetail,
+        ItemRow,
+        LedgerQueries,
+        RunRow,
+        SharedOutputs,
+    )
+    from batchrun.ledger.store import AttemptRecord, CachedAnswer, ClaimedItem, JobRecord, Ledger, Outcome
+
+# name -> the module that defines it
+_LAZY = {
+    "LEDGER_RETRY_SECONDS": "batchrun.ledger.engine",
+    "AsyncLedger": "batchrun.ledger.facade",
+    "ride_out": "batchrun.ledger.facade",
+    "RunLedger": "batchrun.ledger.protocol",
+    **dict.fromkeys(
+        ("AttemptRow", "AttemptTotals", "Distribution", "ErrorGroup", "ItemDetail", "ItemRow", "LedgerQueries",
+         "RunRow", "SharedOutputs"),
+        "batchrun.ledger.queries",
+    ),
+    **dict.fromkeys(
+        ("AttemptRecord", "CachedAnswer", "ClaimedItem", "JobRecord", "Ledger", "Outcome"), "batchrun.ledger.store"
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LEDGER_RETRY_SECONDS",
@@ -40,6 +82,7 @@ __all__ = [
     "LedgerQueries",
     "Outcome",
     "RunLedger",
+    "RunRow",
     "SharedOutputs",
     "database_error_line",
     "default_db_path",

@@ -11,10 +11,11 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.pool import QueuePool
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 
 from batchrun.bundled import bundled_dir
 from batchrun.errors import LedgerError
+from batchrun.ledger.basics import database_error_line
+from batchrun.ledger.basics import resolve_db_url as resolve_db_url  # where tests and tools have found it
 from batchrun.ledger.models import metadata
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -24,25 +25,7 @@ _UPGRADE_LOCK = threading.Lock()
 _MIGRATION_LOCK_KEY = 0x6261746368  # "batch": the PostgreSQL advisory lock around migrations
 # The newest migration under migrations/versions (a test checks they agree). Knowing it
 # here lets an up-to-date ledger open without importing Alembic, which costs ~0.6 s.
-SCHEMA_HEAD = "0008"
-
-
-def default_db_path() -> Path:
-    """Where the ledger lives when neither ``--db`` nor ``BATCHRUN_DB`` says."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "batchrun" / "ledger.db"
-
-
-def resolve_db_url(db: str | os.PathLike[str] | None) -> str:
-    """A SQLAlchemy URL from ``--db``: a URL as is, a plain path as a SQLite file."""
-    if db is None or str(db) == "":
-        db = default_db_path()
-    text = str(db)
-    if "://" in text:
-        if text.startswith("postgresql://") or text.startswith("postgres://"):
-            text = "postgresql+psycopg://" + text.split("://", 1)[1]
-        return text
-    return f"sqlite:///{Path(text).expanduser().resolve()}"
+SCHEMA_HEAD = "0009"
 
 
 def alembic_config() -> Any:
@@ -62,6 +45,8 @@ def _enable_wal(cursor: Any) -> None:
     """
     if cursor.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
         return
+    from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
+
     for attempt in Retrying(
         stop=stop_after_delay(SQLITE_BUSY_TIMEOUT_MS / 1000),
         wait=wait_random(0.01, 0.1),
@@ -245,16 +230,6 @@ def is_transient(exc: BaseException) -> bool:
         or sqlstate in _GONE_SQLSTATES
         or sqlstate in _ROLLED_BACK_SQLSTATES
     )
-
-
-def is_database_error(exc: BaseException) -> bool:
-    """An error of the database layer: SQLAlchemy's, or the driver's where it is used directly (COPY)."""
-    return type(exc).__module__.split(".")[0] in ("sqlalchemy", "psycopg", "sqlite3")
-
-
-def database_error_line(exc: BaseException) -> str:
-    """The driver's message, first line only (no driver hint, no SQLAlchemy background link)."""
-    return str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
 
 
 def _safe_url(url: str) -> str:

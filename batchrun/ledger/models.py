@@ -1,4 +1,4 @@
-"""The ledger schema: jobs, items, attempts, runs, exports, rate buckets and shards.
+"""The ledger schema: jobs, items, attempts, runs, exports, rate buckets, shards and item counts.
 
 Times are UNIX seconds as floats: portable between SQLite and PostgreSQL and
 cheap to compare on the hot path.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text, text
+from sqlalchemy import DDL, BigInteger, Boolean, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text, event, text
 
 # SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -109,6 +109,14 @@ items = Table(
         sqlite_where=text("cached_from IS NOT NULL"),
         postgresql_where=text("cached_from IS NOT NULL"),
     ),
+    # Errors by class and by status (status, report) read only the items that have one.
+    Index(
+        "ix_items_errors",
+        "job_id",
+        "error_class",
+        sqlite_where=text("error_class IS NOT NULL"),
+        postgresql_where=text("error_class IS NOT NULL"),
+    ),
     # One row per input line: an item or a rejected line, never both, never twice.
     Index("uq_items_job_line", "job_id", "line", unique=True),
     # Only rejected lines may repeat a custom_id (a duplicate is itself rejected).
@@ -151,6 +159,29 @@ attempts = Table(
     Column("seq", Integer),
     Column("shard_id", BigId),  # batch mode: the shard whose results line this is (null: an online request)
     Index("uq_attempts_run_seq", "run_id", "seq", unique=True),
+    Index(
+        "ix_attempts_errors",
+        "job_id",
+        "error_class",
+        sqlite_where=text("error_class IS NOT NULL"),
+        postgresql_where=text("error_class IS NOT NULL"),
+    ),
+    # The attempts each distribution of status/report covers, in the order of their values: a
+    # percentile is one step into the index from its nearer end (LedgerQueries.attempt_distribution).
+    *(
+        Index(
+            f"ix_attempts_{name}",
+            "job_id",
+            column,
+            sqlite_where=text(where),
+            postgresql_where=text(where),
+        )
+        for name, column, where in (
+            ("latency", "latency_ms", "error_class IS NULL AND latency_ms IS NOT NULL"),
+            ("queue_wait", "queue_wait_ms", "queue_wait_ms IS NOT NULL"),
+            ("ttft", "ttft_ms", "error_class IS NULL AND ttft_ms IS NOT NULL"),
+        )
+    ),
 )
 
 exports = Table(
@@ -219,3 +250,165 @@ shards = Table(
     Column("error", Text),  # why the provider refused it, or what went wrong collecting it
     Index("ix_shards_job_state", "job_id", "state"),
 )
+
+# How many of a job's items are in each state: the sum of ``n`` over a job's rows of a state.
+# The database keeps it (triggers on items, below), so every write of any code path counts,
+# and ``status``/``list`` read a few rows instead of counting a million items.
+#
+# - SQLite (one writer at a time): one row per job and state, updated by row triggers.
+# - PostgreSQL (many writers): rows are only appended, one per state a statement changed
+#   (statement triggers over the transition tables), so concurrent writers never wait on a
+#   shared counter row; :meth:`~batchrun.ledger.store.Ledger.fold_counts` folds a job's rows
+#   into one per state now and then.
+#
+# A migration that rebuilds ``items`` (``batch_alter_table`` on SQLite) drops the triggers with
+# it and must create them again (tests/integration/test_ledger.py compares the schemas).
+item_counts = Table(
+    "item_counts",
+    metadata,
+    Column("job_id", BigId, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("n", BigInteger, nullable=False),
+    Index("ix_item_counts_job_state", "job_id", "state"),
+)
+
+# What a job's attempts add up to (status, report, the budget's spend), kept by the database
+# like item_counts (triggers on attempts, below): on PostgreSQL, rows appended per statement
+# and folded now and then. A job's figures are the sums (first/last: min/max) over its rows.
+# ``*_n``/``*_sum``: count and sum of each distribution's values (the attempts it covers).
+attempt_totals = Table(
+    "attempt_totals",
+    metadata,
+    Column("job_id", BigId, nullable=False),
+    Column("requests", BigInteger, nullable=False),
+    Column("clean", BigInteger, nullable=False),
+    Column("input_tokens", BigInteger, nullable=False),
+    Column("output_tokens", BigInteger, nullable=False),
+    Column("cached_tokens", BigInteger, nullable=False),
+    Column("cost_usd", Float, nullable=False),
+    Column("first_started_at", Float),
+    Column("last_started_at", Float),
+    Column("latency_n", BigInteger, nullable=False),
+    Column("latency_sum", Float, nullable=False),
+    Column("queue_wait_n", BigInteger, nullable=False),
+    Column("queue_wait_sum", Float, nullable=False),
+    Column("ttft_n", BigInteger, nullable=False),
+    Column("ttft_sum", Float, nullable=False),
+    Index("ix_attempt_totals_job", "job_id"),
+)
+
+# Items by number of attempt rows (requests, 429s included): the sum of ``n`` over a job's rows of a ``k``.
+attempt_histogram = Table(
+    "attempt_histogram",
+    metadata,
+    Column("job_id", BigId, nullable=False),
+    Column("k", Integer, nullable=False),
+    Column("n", BigInteger, nullable=False),
+    Index("ix_attempt_histogram_job_k", "job_id", "k"),
+)
+
+COUNT_TRIGGERS = {
+    "sqlite": (
+        """CREATE TRIGGER items_counted_insert AFTER INSERT ON items BEGIN
+            UPDATE item_counts SET n = n + 1 WHERE job_id = NEW.job_id AND state = NEW.state;
+            INSERT INTO item_counts (job_id, state, n) SELECT NEW.job_id, NEW.state, 1
+                WHERE NOT EXISTS (SELECT 1 FROM item_counts WHERE job_id = NEW.job_id AND state = NEW.state);
+        END""",
+        """CREATE TRIGGER items_counted_update AFTER UPDATE OF state ON items WHEN OLD.state IS NOT NEW.state BEGIN
+            UPDATE item_counts SET n = n - 1 WHERE job_id = OLD.job_id AND state = OLD.state;
+            UPDATE item_counts SET n = n + 1 WHERE job_id = NEW.job_id AND state = NEW.state;
+            INSERT INTO item_counts (job_id, state, n) SELECT NEW.job_id, NEW.state, 1
+                WHERE NOT EXISTS (SELECT 1 FROM item_counts WHERE job_id = NEW.job_id AND state = NEW.state);
+        END""",
+        """CREATE TRIGGER items_counted_delete AFTER DELETE ON items BEGIN
+            UPDATE item_counts SET n = n - 1 WHERE job_id = OLD.job_id AND state = OLD.state;
+        END""",
+        """CREATE TRIGGER attempts_counted_insert AFTER INSERT ON attempts BEGIN
+            INSERT INTO attempt_totals (job_id, requests, clean, input_tokens, output_tokens, cached_tokens, cost_usd,
+                latency_n, latency_sum, queue_wait_n, queue_wait_sum, ttft_n, ttft_sum)
+                SELECT NEW.job_id, 0, 0, 0, 0, 0, 0.0, 0, 0.0, 0, 0.0, 0, 0.0
+                WHERE NOT EXISTS (SELECT 1 FROM attempt_totals WHERE job_id = NEW.job_id);
+            UPDATE attempt_totals SET
+                requests = requests + 1,
+                clean = clean + (NEW.error_class IS NULL),
+                input_tokens = input_tokens + coalesce(NEW.input_tokens, 0),
+                output_tokens = output_tokens + coalesce(NEW.output_tokens, 0),
+                cached_tokens = cached_tokens + coalesce(NEW.cached_tokens, 0),
+                cost_usd = cost_usd + coalesce(NEW.cost_usd, 0.0),
+                first_started_at = min(coalesce(first_started_at, NEW.started_at), NEW.started_at),
+                last_started_at = max(coalesce(last_started_at, NEW.started_at), NEW.started_at),
+                latency_n = latency_n + (NEW.error_class IS NULL AND NEW.latency_ms IS NOT NULL),
+                latency_sum = latency_sum + CASE WHEN NEW.error_class IS NULL THEN coalesce(NEW.latency_ms, 0.0) ELSE 0.0 END,
+                queue_wait_n = queue_wait_n + (NEW.queue_wait_ms IS NOT NULL),
+                queue_wait_sum = queue_wait_sum + coalesce(NEW.queue_wait_ms, 0.0),
+                ttft_n = ttft_n + (NEW.error_class IS NULL AND NEW.ttft_ms IS NOT NULL),
+                ttft_sum = ttft_sum + CASE WHEN NEW.error_class IS NULL THEN coalesce(NEW.ttft_ms, 0.0) ELSE 0.0 END
+            WHERE job_id = NEW.job_id;
+            UPDATE attempt_histogram SET n = n - 1 WHERE job_id = NEW.job_id
+                AND k = (SELECT count(*) FROM attempts WHERE item_id = NEW.item_id) - 1;
+            INSERT INTO attempt_histogram (job_id, k, n)
+                SELECT NEW.job_id, c, 0 FROM (SELECT count(*) AS c FROM attempts WHERE item_id = NEW.item_id)
+                WHERE NOT EXISTS (SELECT 1 FROM attempt_histogram WHERE job_id = NEW.job_id AND k = c);
+            UPDATE attempt_histogram SET n = n + 1 WHERE job_id = NEW.job_id
+                AND k = (SELECT count(*) FROM attempts WHERE item_id = NEW.item_id);
+        END""",
+    ),
+    "postgresql": (
+        """CREATE FUNCTION batchrun_count_items() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF TG_OP = 'INSERT' THEN
+                INSERT INTO item_counts (job_id, state, n)
+                    SELECT job_id, state, count(*) FROM new_rows GROUP BY job_id, state;
+            ELSIF TG_OP = 'DELETE' THEN
+                INSERT INTO item_counts (job_id, state, n)
+                    SELECT job_id, state, -count(*) FROM old_rows GROUP BY job_id, state;
+            ELSE
+                INSERT INTO item_counts (job_id, state, n)
+                    SELECT job_id, state, sum(d) FROM (
+                        SELECT job_id, state, -1 AS d FROM old_rows
+                        UNION ALL SELECT job_id, state, 1 AS d FROM new_rows
+                    ) AS moved GROUP BY job_id, state HAVING sum(d) <> 0;
+            END IF;
+            RETURN NULL;
+        END $$""",
+        """CREATE TRIGGER items_counted_insert AFTER INSERT ON items REFERENCING NEW TABLE AS new_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION batchrun_count_items()""",
+        """CREATE TRIGGER items_counted_update AFTER UPDATE ON items REFERENCING OLD TABLE AS old_rows
+            NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION batchrun_count_items()""",
+        """CREATE TRIGGER items_counted_delete AFTER DELETE ON items REFERENCING OLD TABLE AS old_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION batchrun_count_items()""",
+        """CREATE FUNCTION batchrun_count_attempts() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO attempt_totals (job_id, requests, clean, input_tokens, output_tokens, cached_tokens, cost_usd,
+                    first_started_at, last_started_at, latency_n, latency_sum, queue_wait_n, queue_wait_sum, ttft_n, ttft_sum)
+                SELECT job_id, count(*), count(*) FILTER (WHERE error_class IS NULL),
+                    coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0), coalesce(sum(cached_tokens), 0),
+                    coalesce(sum(cost_usd), 0.0), min(started_at), max(started_at),
+                    count(*) FILTER (WHERE error_class IS NULL AND latency_ms IS NOT NULL),
+                    coalesce(sum(latency_ms) FILTER (WHERE error_class IS NULL), 0.0),
+                    count(queue_wait_ms), coalesce(sum(queue_wait_ms), 0.0),
+                    count(*) FILTER (WHERE error_class IS NULL AND ttft_ms IS NOT NULL),
+                    coalesce(sum(ttft_ms) FILTER (WHERE error_class IS NULL), 0.0)
+                FROM new_rows GROUP BY job_id;
+            INSERT INTO attempt_histogram (job_id, k, n)
+                WITH added AS (
+                    SELECT job_id, item_id, count(*) AS m FROM new_rows GROUP BY job_id, item_id
+                ), now_has AS (
+                    SELECT a.job_id, a.m, (SELECT count(*) FROM attempts x WHERE x.item_id = a.item_id) AS total
+                    FROM added AS a
+                )
+                SELECT job_id, k, sum(d) FROM (
+                    SELECT job_id, total AS k, 1 AS d FROM now_has
+                    UNION ALL SELECT job_id, total - m AS k, -1 AS d FROM now_has WHERE total > m
+                ) AS moved GROUP BY job_id, k HAVING sum(d) <> 0;
+            RETURN NULL;
+        END $$""",
+        """CREATE TRIGGER attempts_counted_insert AFTER INSERT ON attempts REFERENCING NEW TABLE AS new_rows
+            FOR EACH STATEMENT EXECUTE FUNCTION batchrun_count_attempts()""",
+    ),
+}
+
+for _dialect, _statements in COUNT_TRIGGERS.items():
+    for _statement in _statements:
+        # After every table (items among them) exists.
+        event.listen(metadata, "after_create", DDL(_statement).execute_if(dialect=_dialect))  # type: ignore[no-untyped-call]

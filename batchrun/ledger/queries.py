@@ -20,14 +20,20 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, Integer, and_, case, func, literal_column, select
+from sqlalchemy import ColumnElement, Engine, Float, Integer, and_, case, extract, func, literal_column, or_, select
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError
 
+from batchrun.errors import LedgerError
+from batchrun.ledger.basics import SHOW_FILTERS
 from batchrun.ledger.engine import LEDGER_RETRY_SECONDS, is_transient
+from batchrun.ledger.models import attempt_histogram as histogram_t
+from batchrun.ledger.models import attempt_totals as totals_t
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import item_columns
+from batchrun.ledger.models import item_counts as counts_t
 from batchrun.ledger.models import items as items_t
+from batchrun.ledger.models import runs as runs_t
 from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState, no_counts
 
 
@@ -128,9 +134,21 @@ class AttemptRow:
     item_id: int = 0
 
 
-# What ``batchrun show --where`` can choose items by: columns of the items table.
-SHOW_FILTERS = ("state", "error_class", "status_code", "custom_id")
 RECONNECT_PAUSE_S = 1.0  # between tries to reopen an export's cursor while the server is away
+@dataclass(frozen=True)
+class RunRow:
+    """A run of a job, as its process last reported: who, where, and its heartbeat (the ledger's clock)."""
+
+    id: str
+    command: str
+    pid: int
+    host: str
+    started_at: float
+    heartbeat_at: float
+    ended_at: float | None
+    exit_code: int | None
+
+
 _ITEM_ROW_COLUMNS = item_columns(ItemRow, {"item_id": "id"})
 _ATTEMPT_ROW_COLUMNS = tuple(attempts_t.c[f.name] for f in dataclasses.fields(AttemptRow))
 
@@ -143,14 +161,34 @@ class LedgerQueries:
         self.is_sqlite = engine.dialect.name == "sqlite"
 
     def counts(self, job_id: int) -> dict[str, int]:
-        """How many of the job's items are in each state (every state present, 0 if none)."""
+        """How many of the job's items are in each state (every state present, 0 if none).
+
+        Read from ``item_counts``, which the database keeps (models.py): a few rows, not the items.
+        """
         counts = no_counts()
         with self.engine.connect() as conn:
             for state, n in conn.execute(
-                select(items_t.c.state, func.count()).where(items_t.c.job_id == job_id).group_by(items_t.c.state)
+                select(counts_t.c.state, func.sum(counts_t.c.n)).where(counts_t.c.job_id == job_id).group_by(counts_t.c.state)
             ):
-                counts[state] = n
+                if n:
+                    counts[state] = int(n)
         return counts
+
+    def job_runs(self, job_id: int) -> tuple[list[RunRow], float]:
+        """The job's runs that have not ended, and its latest run (newest first); with the ledger's now
+        (the database's clock on PostgreSQL, as heartbeats are)."""
+        r = runs_t.c
+        latest = select(func.max(r.started_at)).where(r.job_id == job_id).scalar_subquery()
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(*(r[f.name] for f in dataclasses.fields(RunRow)))
+                .where(r.job_id == job_id, or_(r.ended_at.is_(None), r.started_at == latest))
+                .order_by(r.started_at.desc())
+            ).all()
+            now = time.time() if self.is_sqlite else float(
+                conn.execute(select(sql_cast(extract("epoch", func.statement_timestamp()), Float))).scalar_one()
+            )
+        return [RunRow(*row) for row in rows], now
 
     def cached_count(self, job_id: int) -> int:
         """How many of the job's items hold an answer reused from another item (no request sent)."""
@@ -183,55 +221,61 @@ class LedgerQueries:
         return sql_cast(expr, Integer) if self.is_sqlite else sql_cast(func.floor(expr), Integer)
 
     def attempt_totals(self, job_id: int) -> AttemptTotals:
-        """Requests sent, tokens and cost over all of the job's attempts."""
-        a = attempts_t.c
+        """Requests sent, tokens and cost over all of the job's attempts (from ``attempt_totals``,
+        which the database keeps: models.py)."""
+        t = totals_t.c
         with self.engine.connect() as conn:
             row = conn.execute(
                 select(
-                    func.count(),
-                    func.coalesce(func.sum(case((a.error_class.is_(None), 1), else_=0)), 0),
-                    func.coalesce(func.sum(a.input_tokens), 0),
-                    func.coalesce(func.sum(a.output_tokens), 0),
-                    func.coalesce(func.sum(a.cached_tokens), 0),
-                    func.coalesce(func.sum(a.cost_usd), 0.0),
-                    func.min(a.started_at),
-                    func.max(a.started_at),
-                ).where(a.job_id == job_id)
+                    func.sum(t.requests), func.sum(t.clean), func.sum(t.input_tokens), func.sum(t.output_tokens),
+                    func.sum(t.cached_tokens), func.sum(t.cost_usd), func.min(t.first_started_at),
+                    func.max(t.last_started_at),
+                ).where(t.job_id == job_id)
             ).one()
         return AttemptTotals(
-            requests=int(row[0]), clean=int(row[1]), input_tokens=int(row[2]), output_tokens=int(row[3]),
-            cached_tokens=int(row[4]), cost_usd=float(row[5]), first_started_at=row[6], last_started_at=row[7],
+            requests=int(row[0] or 0), clean=int(row[1] or 0), input_tokens=int(row[2] or 0),
+            output_tokens=int(row[3] or 0), cached_tokens=int(row[4] or 0), cost_usd=float(row[5] or 0.0),
+            first_started_at=row[6], last_started_at=row[7],
         )
 
     def attempt_distribution(self, job_id: int, measure: str, percentiles: Sequence[int] = (50, 90, 99)) -> Distribution:
         """Nearest-rank percentiles of ``latency_ms``, ``queue_wait_ms`` or ``ttft_ms`` over the job's attempts.
 
-        Computed in the database: one aggregate for the count, then one
-        ``row_number() OVER (ORDER BY value)`` query that returns only the rows
-        at the wanted ranks (one sort, done by the database, spilling to disk
-        if it must; three rows come back).
+        The count and the sum come from ``attempt_totals``; the attempts the measure covers are
+        an index in the order of their values (``ix_attempts_latency``, ...), so the minimum and
+        the maximum are its two ends and a percentile is one step into it from the nearer end
+        (rank r of n: OFFSET r - 1 from the low end, or n - r from the high end). In one
+        snapshot, so the count and the index agree.
         """
         column, conds = self._measure(job_id, measure)
+        name = {"latency_ms": "latency", "queue_wait_ms": "queue_wait", "ttft_ms": "ttft"}[measure]
         with self.engine.connect() as conn:
-            n, mean, low, high = conn.execute(
-                select(func.count(), func.avg(column), func.min(column), func.max(column)).where(*conds)
+            if not self.is_sqlite:
+                conn = conn.execution_options(isolation_level="REPEATABLE READ")
+            n, total = conn.execute(
+                select(func.sum(totals_t.c[f"{name}_n"]), func.sum(totals_t.c[f"{name}_sum"])).where(
+                    totals_t.c.job_id == job_id
+                )
             ).one()
+            n = int(n or 0)
             if not n:
                 return Distribution(0, None, None, None, {})
-            ranks = {p: max(1, -(-p * int(n) // 100)) for p in percentiles}
-            ranked = (
-                select(column.label("value"), func.row_number().over(order_by=column).label("rank"))
-                .where(*conds)
-                .subquery()
-            )
-            at_rank = dict(
-                conn.execute(
-                    select(ranked.c.rank, ranked.c.value).where(ranked.c.rank.in_(sorted(set(ranks.values()))))
-                ).all()
-            )
+
+            def at(rank: int) -> float:
+                low_end = rank <= (n + 1) // 2
+                value = conn.execute(
+                    select(column).where(*conds).order_by(column if low_end else column.desc())
+                    .limit(1).offset(rank - 1 if low_end else n - rank)
+                ).scalar()
+                if value is None:  # the kept count and the attempts disagree: never, in one snapshot
+                    raise LedgerError(f"job {job_id}: attempt_totals counts {n} {measure} values, the attempts fewer")
+                return float(value)
+
+            ranks = {p: max(1, -(-p * n // 100)) for p in percentiles}
+            at_rank = {r: at(r) for r in sorted(set(ranks.values()) | {1, n})}
         return Distribution(
-            count=int(n), mean=float(mean), minimum=float(low), maximum=float(high),
-            percentiles={p: float(at_rank[r]) for p, r in ranks.items()},
+            count=n, mean=float(total) / n, minimum=at_rank[1], maximum=at_rank[n],
+            percentiles={p: at_rank[r] for p, r in ranks.items()},
         )
 
     def attempt_histogram(self, job_id: int, measure: str, low: float, width: float) -> dict[int, int]:
@@ -335,15 +379,13 @@ class LedgerQueries:
                     .group_by(i.status_code)
                 ).all()
             )
+            # The state is chosen inside the aggregate, not in WHERE: then only ix_items_errors (the
+            # items with an error) serves the query, never the claim index's million pending items.
+            kept = i.state.in_([ItemState.PENDING, ItemState.RUNNING, ItemState.FAILED, ItemState.CANCELLED])
             examples: dict[Any, str] = dict(
                 conn.execute(
-                    select(i.status_code, func.max(i.error_message))
-                    .where(
-                        i.job_id == job_id,
-                        i.state.in_([ItemState.PENDING, ItemState.RUNNING, ItemState.FAILED, ItemState.CANCELLED]),
-                        i.error_class.is_not(None),
-                        i.error_message.is_not(None),
-                    )
+                    select(i.status_code, func.max(case((kept, i.error_message))))
+                    .where(i.job_id == job_id, i.error_class.is_not(None), i.error_message.is_not(None))
                     .group_by(i.status_code)
                 ).all()
             )
@@ -356,16 +398,12 @@ class LedgerQueries:
         )
 
     def requests_per_item(self, job_id: int) -> dict[int, int]:
-        """How many items had n requests sent (n >= 1; an attempt row is a request, 429s included)."""
-        per_item = (
-            select(attempts_t.c.item_id, func.count().label("n"))
-            .where(attempts_t.c.job_id == job_id)
-            .group_by(attempts_t.c.item_id)
-            .subquery()
-        )
+        """How many items had n requests sent (n >= 1; an attempt row is a request, 429s included),
+        from ``attempt_histogram``, which the database keeps (models.py)."""
+        h = histogram_t.c
         with self.engine.connect() as conn:
-            rows = conn.execute(select(per_item.c.n, func.count()).group_by(per_item.c.n)).all()
-        return {int(n): int(items) for n, items in rows}
+            rows = conn.execute(select(h.k, func.sum(h.n)).where(h.job_id == job_id).group_by(h.k)).all()
+        return {int(k): int(n) for k, n in rows if k >= 1 and n}
 
     @staticmethod
     def _shared_items(job_a: int, job_b: int) -> tuple[Any, Any, Any, list[ColumnElement[bool]]]:

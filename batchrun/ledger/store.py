@@ -37,6 +37,7 @@ from sqlalchemy import (
     or_,
     literal_column,
     select,
+    text,
     update,
 )
 from sqlalchemy import cast as sql_cast
@@ -45,10 +46,12 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerBusyError, LockLostError
+from batchrun.ledger.basics import RETRY_FILTERS
 from batchrun.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE_OPTION, open_engine
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import exports as exports_t
 from batchrun.ledger.models import item_columns
+from batchrun.ledger.models import item_counts as counts_t
 from batchrun.ledger.models import items as items_t
 from batchrun.ledger.models import jobs as jobs_t
 from batchrun.ledger.models import rate_buckets as buckets_t
@@ -59,8 +62,19 @@ from batchrun.spec import JobSpec
 from batchrun.states import OPEN_SHARD_STATES, ItemState, no_counts
 
 
-# What `batchrun retry --where` may narrow the items to send again by.
-RETRY_FILTERS = ("error_class", "status_code", "custom_id")
+_FOLD_LOCK_KEY = 0x636F756E  # "coun": the PostgreSQL advisory lock (with the job id) around a fold of its counts
+_TOTALS = ("requests", "clean", "input_tokens", "output_tokens", "cached_tokens", "cost_usd", "latency_n", "latency_sum",
+           "queue_wait_n", "queue_wait_sum", "ttft_n", "ttft_sum")
+_FOLDS = (
+    "WITH gone AS (DELETE FROM item_counts WHERE job_id = :job RETURNING state, n) "
+    "INSERT INTO item_counts (job_id, state, n) SELECT :job, state, sum(n) FROM gone GROUP BY state",
+    "WITH gone AS (DELETE FROM attempt_histogram WHERE job_id = :job RETURNING k, n) "
+    "INSERT INTO attempt_histogram (job_id, k, n) SELECT :job, k, sum(n) FROM gone GROUP BY k",
+    f"WITH gone AS (DELETE FROM attempt_totals WHERE job_id = :job RETURNING *) "
+    f"INSERT INTO attempt_totals (job_id, {', '.join(_TOTALS)}, first_started_at, last_started_at) "
+    f"SELECT :job, {', '.join(f'sum({c})' for c in _TOTALS)}, min(first_started_at), max(last_started_at) "
+    "FROM gone HAVING count(*) > 0",
+)
 
 
 @dataclass(frozen=True)
@@ -430,9 +444,11 @@ class Ledger:
             ids = conn.execute(select(jobs_t.c.id).order_by(jobs_t.c.id)).scalars().all()
             counts: dict[int, dict[str, int]] = {i: no_counts() for i in ids}
             for job_id, state, n in conn.execute(
-                select(items_t.c.job_id, items_t.c.state, func.count()).group_by(items_t.c.job_id, items_t.c.state)
+                select(counts_t.c.job_id, counts_t.c.state, func.sum(counts_t.c.n))
+                .group_by(counts_t.c.job_id, counts_t.c.state)
             ):
-                counts[job_id][state] = n
+                if job_id in counts and n:
+                    counts[job_id][state] = int(n)
         return [(self.get_job(i), counts[i]) for i in ids]
 
     # -- ingest -------------------------------------------------------------
@@ -546,9 +562,24 @@ class Ledger:
         with self._write() as conn:
             if run_id is not None:
                 self._renew_lock(conn, job_id, run_id)
-            total = conn.execute(select(func.count()).where(items_t.c.job_id == job_id)).scalar() or 0
+            total = conn.execute(select(func.sum(counts_t.c.n)).where(counts_t.c.job_id == job_id)).scalar() or 0
             conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(ingest_done=True, total=total))
+        self.fold_counts(job_id)
         return int(total)
+
+    def fold_counts(self, job_id: int) -> None:
+        """PostgreSQL: fold the job's rows of ``item_counts`` (one per state), ``attempt_totals`` (one)
+        and ``attempt_histogram`` (one per k): the triggers append a row per statement (models.py).
+        Skipped while another fold of the job runs. SQLite keeps them folded already."""
+        if self.is_sqlite:
+            return
+        with self._write() as conn:
+            if not conn.execute(
+                text("SELECT pg_try_advisory_xact_lock(:key, :job)"), {"key": _FOLD_LOCK_KEY, "job": job_id % 2**31}
+            ).scalar():
+                return
+            for fold in _FOLDS:
+                conn.execute(text(fold), {"job": job_id})
 
     # -- runs and the job lock ---------------------------------------------
     #
@@ -643,7 +674,8 @@ class Ledger:
                 .values(lease_expires=now + lease_seconds)
                 .returning(items_t.c.id, items_t.c.lease_claim)
             ).all()
-            return {int(item_id): int(claim or 0) for item_id, claim in held}
+        self.fold_counts(job_id)
+        return {int(item_id): int(claim or 0) for item_id, claim in held}
 
     def end_run(self, job_id: int, run_id: str, exit_code: int) -> None:
         with self._write() as conn:

@@ -61,7 +61,10 @@ def _sqlite_schema(path: Path) -> dict[str, object]:
             (name, " ".join(sql.split()))
             for name, sql in con.execute("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
         )
-        schema["other objects"] = sorted(con.execute("SELECT type, name FROM sqlite_master WHERE type NOT IN ('table', 'index')"))
+        schema["other objects"] = sorted(
+            (kind, name, " ".join((sql or "").split()))  # triggers: what they do, not only their names
+            for kind, name, sql in con.execute("SELECT type, name, sql FROM sqlite_master WHERE type NOT IN ('table', 'index')")
+        )
         schema["version"] = con.execute("SELECT version_num FROM alembic_version").fetchall()
         return schema
     finally:

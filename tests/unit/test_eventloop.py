@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -65,3 +66,37 @@ def test_the_commands_heap_is_frozen_for_the_run() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == f"True {RUN_GC_THRESHOLD}"
+
+
+def test_runs_on_uvloop_by_default_and_on_asyncio_when_told() -> None:
+    from batchrun import eventloop
+
+    _, loop = run_sync(where())
+    assert type(loop).__module__.startswith("uvloop") and eventloop.loop_name() == "uvloop"
+    eventloop.use_uvloop(False)
+    try:
+        _, loop = run_sync(where())
+        assert type(loop).__module__.startswith("asyncio") and eventloop.loop_name() == "asyncio"
+    finally:
+        eventloop.use_uvloop(True)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0", "asyncio"), ("off", "asyncio"), ("1", "uvloop"), ("", "uvloop")])
+def test_the_command_turns_uvloop_off_with_its_variable(value: str, expected: str) -> None:
+    code = (
+        "import asyncio\nfrom batchrun import eventloop\n"
+        "eventloop.command_startup()\n"
+        "async def which():\n    return type(asyncio.get_running_loop()).__module__.split('.')[0]\n"
+        "print(eventloop.loop_name(), eventloop.run_sync(which()))"
+    )
+    env = {**os.environ, "BATCHRUN_UVLOOP": value}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout.split()
+    assert out == [expected, expected]
+
+
+def test_uvloop_is_a_dependency_where_it_installs() -> None:
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    assert "uvloop>=0.19; sys_platform != 'win32' and platform_python_implementation == 'CPython'" in project["dependencies"]
