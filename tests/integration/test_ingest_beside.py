@@ -1,0 +1,97 @@
+"""The Python API sends while the input is read (issue 18), on SQLite and PostgreSQL: the first request
+goes out before ``jobs.ingest_done``, every record is answered once, and the job is finished only
+once its whole input is in. A run that stops takes its ingest with it; resume carries both on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from batchrun.ledger import Ledger
+from batchrun.scheduler import JobRunner
+from batchrun.spec import JobSpec, parse_spec
+from batchrun.states import ExitCode, ItemState, StopReason
+from batchrun.submission import resume, submit
+from batchrun.testing import FakeProviderServer, Faults
+
+from .test_structured import FAST
+
+N = 6_000
+
+
+@pytest.fixture
+def server() -> Iterator[FakeProviderServer]:
+    with FakeProviderServer(Faults(latency_s=0.005)) as srv:
+        yield srv
+
+
+def job_spec(server: FakeProviderServer) -> JobSpec:
+    return parse_spec(
+        {"provider": {"base_url": server.base_url, "model": "m"}, "request": {"template": "Say {text}"},
+         "run": {"concurrency": 16}},
+        where="test",
+    )
+
+
+def write_records(path: Path, n: int) -> Path:
+    with open(path, "wb") as f:
+        for i in range(n):
+            f.write(orjson.dumps({"id": f"r{i}", "text": f"hello {i} " + "pad " * 200}) + b"\n")
+    return path
+
+
+def test_the_first_request_goes_out_before_the_input_is_all_in(
+    ledger: Ledger, server: FakeProviderServer, tmp_path: Path
+) -> None:
+    src = write_records(tmp_path / "in.jsonl", N)
+    seen: list[tuple[bool, int]] = []  # (ingest_done, items stored) when the first request was seen
+
+    async def watch(runner: JobRunner, todo: int) -> None:
+        while not server.log:
+            await asyncio.sleep(0.001)
+        job = ledger.get_job(runner.job.id)
+        seen.append((job.ingest_done, sum(ledger.counts(job.id).values())))
+
+    result = submit(ledger, job_spec(server), src, options=FAST, on_start=watch, output=tmp_path / "out.jsonl")
+    assert seen and not seen[0][0] and seen[0][1] < N, seen
+    assert result.exit_code == ExitCode.OK and result.counts[ItemState.SUCCEEDED] == N
+    job = ledger.get_job(result.job_id)
+    assert job.ingest_done and job.total == N
+    assert set(server.ok_by_key().values()) == {1} and len(server.ok_by_key()) == N
+    assert len((tmp_path / "out.jsonl").read_bytes().splitlines()) == N
+
+
+def test_a_run_stopped_mid_ingest_leaves_it_for_resume(ledger: Ledger, server: FakeProviderServer, tmp_path: Path) -> None:
+    n = 2 * N
+    src = write_records(tmp_path / "in.jsonl", n)
+
+    def stop_early(runner: JobRunner, todo: int) -> None:
+        async def stop() -> None:
+            while not runner.stats.done[ItemState.SUCCEEDED]:
+                await asyncio.sleep(0.001)
+            runner.request_stop(StopReason.STOP, "the test stopped it")
+
+        asyncio.ensure_future(stop())
+
+    first = submit(ledger, job_spec(server), src, options=FAST, on_start=stop_early)
+    assert first.exit_code == ExitCode.TEMPFAIL and first.stop_reason == StopReason.STOP
+    job = ledger.get_job(first.job_id)
+    assert not job.ingest_done and first.total < n
+    assert first.counts[ItemState.RUNNING] == 0
+    again = resume(ledger, first.job_id, options=FAST, output=tmp_path / "out.jsonl")
+    assert again.exit_code == ExitCode.OK and again.counts[ItemState.SUCCEEDED] == n
+    assert ledger.get_job(first.job_id).ingest_done
+    assert set(server.ok_by_key().values()) == {1} and len(server.ok_by_key()) == n
+    lines = [orjson.loads(x) for x in (tmp_path / "out.jsonl").read_bytes().splitlines()]
+    assert [line["custom_id"] for line in lines] == [f"r{i}" for i in range(n)]
+
+
+def test_no_run_ingests_the_whole_input_first(ledger: Ledger, server: FakeProviderServer, tmp_path: Path) -> None:
+    src = write_records(tmp_path / "in.jsonl", 3000)
+    stored = submit(ledger, job_spec(server), src, run=False)
+    assert stored.prepared is not None and stored.prepared.ingest is not None and stored.prepared.ingest.accepted == 3000
+    assert ledger.get_job(stored.job_id).ingest_done and stored.total == 3000 and not server.log
