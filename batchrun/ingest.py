@@ -30,6 +30,12 @@ from batchrun.tabular import RowProblem, input_format, read_csv, read_parquet
 
 INSERT_BATCH = 5000
 FIRST_BATCH = 500  # a run sending beside its ingest starts once these lines are stored
+# An ingest beside a run this many items ahead of what the run has taken reads at a quarter of
+# its speed (it sleeps 3x each batch's time), leaving the CPU (one GIL) to the sending; measured
+# in bench/RESULTS.md ("send while ingesting"). Never a full pause: the input is read to its end.
+AHEAD_ITEMS = 20_000
+AHEAD_SLEEP_RATIO = 3.0
+AHEAD_SLEEP_MAX_S = 1.0
 RENEW_CHECK_LINES = 256  # lines between two looks at the clock (is a batch due for the lock's sake?)
 HASH_CHUNK = 1 << 20
 MAX_STRICT_ERRORS_SHOWN = 5
@@ -430,20 +436,37 @@ class BackgroundIngest:
         """Whether the ingest has ended (done, or stopped by ``error``)."""
         return self._thread is not None and not self._thread.is_alive()
 
-    def start(self, run_id: str, on_batch: Callable[[int], None], should_stop: Callable[[], bool]) -> None:
-        """Start reading on a thread; ``on_batch(accepted)`` after each committed batch and once at the end."""
+    def start(
+        self,
+        run_id: str,
+        on_batch: Callable[[int], None],
+        should_stop: Callable[[], bool],
+        taken: Callable[[], int],
+    ) -> None:
+        """Start reading on a thread; ``on_batch(accepted)`` after each committed batch and once at the end.
+
+        ``taken()``: how many items the run has claimed so far; while the ingest is far
+        ahead of it (AHEAD_ITEMS), it slows down so the run has the CPU.
+        """
         self._thread = threading.Thread(
-            target=self._main, args=(run_id, on_batch, should_stop), name="batchrun-ingest", daemon=True
+            target=self._main, args=(run_id, on_batch, should_stop, taken), name="batchrun-ingest", daemon=True
         )
         self._thread.start()
 
-    def _main(self, run_id: str, on_batch: Callable[[int], None], should_stop: Callable[[], bool]) -> None:
+    def _main(
+        self, run_id: str, on_batch: Callable[[int], None], should_stop: Callable[[], bool], taken: Callable[[], int]
+    ) -> None:
         told = 0
+        since = time.monotonic()
 
         def batch_in(stats: IngestStats) -> None:
-            nonlocal told
+            nonlocal told, since
             on_batch(stats.accepted - told)
             told = stats.accepted
+            took = time.monotonic() - since
+            if stats.accepted - taken() > AHEAD_ITEMS and not should_stop():
+                time.sleep(min(AHEAD_SLEEP_MAX_S, took * AHEAD_SLEEP_RATIO))
+            since = time.monotonic()
 
         try:
             self.stats = ingest(

@@ -107,7 +107,9 @@ class Feed(Protocol):
     @property
     def error(self) -> BaseException | None: ...
 
-    def start(self, run_id: str, on_batch: Callable[[int], None], should_stop: Callable[[], bool]) -> None: ...
+    def start(
+        self, run_id: str, on_batch: Callable[[int], None], should_stop: Callable[[], bool], taken: Callable[[], int]
+    ) -> None: ...
 
     def join(self) -> None: ...
 
@@ -203,6 +205,7 @@ class JobRunner:
         self.ledger = ledger
         self.feed = feed  # the job's ingest, when it goes on beside the run
         self._ending = False  # the run is ending: the feed stops at its next batch
+        self._taken = 0  # items claimed so far (the feed slows down when far ahead of them)
         self.job = job
         self.spec = spec
         self.provider = provider
@@ -322,7 +325,7 @@ class JobRunner:
                 def fed(accepted: int) -> None:  # on the ingest's thread
                     loop.call_soon_threadsafe(self._fed, accepted)
 
-                self.feed.start(self.run_id, fed, lambda: self.stopping or self._ending)
+                self.feed.start(self.run_id, fed, lambda: self.stopping or self._ending, lambda: self._taken)
             if admission.spend is not None:
                 admission.spend.spent = await self._ledger(self.ledger.spent_usd, self.job.id)
             for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, LATENCIES_KEPT):
@@ -399,6 +402,7 @@ class JobRunner:
                     except LockLostError as lost:
                         self.tenure.lose(lost)
                         break
+                    self._taken += len(claimed)
                     if not claimed:
                         if active or self._feeding():
                             await self._wait_for_wake()

@@ -34,7 +34,9 @@ class ScriptedFeed:
     def ended(self) -> bool:
         return self._ended.is_set()
 
-    def start(self, run_id: str, on_batch: Callable[[int], None], should_stop: Callable[[], bool]) -> None:
+    def start(
+        self, run_id: str, on_batch: Callable[[int], None], should_stop: Callable[[], bool], taken: Callable[[], int]
+    ) -> None:
         self.run_id, self._on_batch, self._should_stop = run_id, on_batch, should_stop
 
     def finish(self) -> None:
