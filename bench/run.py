@@ -355,12 +355,9 @@ def submit_cmd(inp: Path, db: Path, base_url: str, concurrency: int, extra: list
             "--db", str(db), "--quiet", "--concurrency", str(concurrency), *extra, *EXTRA_ARGS]
 
 
-def _throughput(ctx: Ctx, name: str, n: int, latency: float, concurrency: int,
-                timeout: float) -> tuple[dict[str, Any], Path]:
-    wd = ctx.workdir(name)
-    inp, db = wd / "input.jsonl", wd / "ledger.db"
-    write_batch_input(inp, n)
-    prof = wd / "profile.txt" if ctx.profile else None
+def _submit_to_server(wd: Path, inp: Path, db: Path, latency: float, concurrency: int, timeout: float,
+                      prof: Path | None) -> tuple[dict[str, Any], Child, Server]:
+    """``batchrun submit`` of ``inp`` against a fresh fake server, killed after ``timeout`` s."""
     srv = Server(wd, latency=latency)
     child: Child | None = None
     try:
@@ -370,6 +367,16 @@ def _throughput(ctx: Ctx, name: str, n: int, latency: float, concurrency: int,
         if child is not None:
             child.ensure_dead()
         srv.stop()
+    return res, child, srv
+
+
+def _throughput(ctx: Ctx, name: str, n: int, latency: float, concurrency: int,
+                timeout: float) -> tuple[dict[str, Any], Path]:
+    wd = ctx.workdir(name)
+    inp, db = wd / "input.jsonl", wd / "ledger.db"
+    write_batch_input(inp, n)
+    prof = wd / "profile.txt" if ctx.profile else None
+    res, child, srv = _submit_to_server(wd, inp, db, latency, concurrency, timeout, prof)
     recs = srv.records()
     counts = ledger_counts(db) if db.exists() else {}
     ok = sum(1 for r in recs if r["outcome"] == "ok")
@@ -606,15 +613,7 @@ def t5s(ctx: Ctx) -> dict[str, Any]:
     inp, db = wd / "input.jsonl", wd / "ledger.db"
     write_batch_input(inp, n)
     prof = wd / "profile.txt" if ctx.profile else None
-    srv = Server(wd, latency=0.0)
-    child: Child | None = None
-    try:
-        child = Child(submit_cmd(inp, db, srv.base_url, concurrency), wd, "submit", profile=prof)
-        res = child.run(window)
-    finally:
-        if child is not None:
-            child.ensure_dead()
-        srv.stop()
+    res, child, srv = _submit_to_server(wd, inp, db, 0.0, concurrency, window, prof)
     recs = srv.records()
     first_rx = min((r["received_at"] for r in recs), default=None)
     cut = child.t_start + window

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import sqlite3
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 from batchrun.testing import FakeProviderServer, Faults
 
 from .conftest import run_cli, start_cli
+from .test_kill_resume import cid, write_batch_input
 
 CONCURRENCY = 16
 PAD = "x" * 4000  # big lines: reading the input takes seconds while answers come back at once
@@ -33,15 +35,7 @@ def padded_server() -> Iterator[FakeProviderServer]:
 
 
 def write_input(path: Path, n: int) -> None:
-    with open(path, "wb") as f:
-        for i in range(n):
-            line = {
-                "custom_id": f"rec-{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {"model": "m", "messages": [{"role": "user", "content": f"record {i} | {PAD}"}]},
-            }
-            f.write(orjson.dumps(line) + b"\n")
+    write_batch_input(path, n, pad=f" | {PAD}")
 
 
 def query(db: Path, sql: str) -> list[tuple[Any, ...]]:
@@ -68,9 +62,15 @@ def check_output(path: Path, n: int) -> None:
         assert line["output"].startswith(f"echo: record {line['custom_id'].removeprefix('rec-')} |")
 
 
-def cid(key: str | None) -> str:
-    assert key is not None
-    return f"rec-{key.removeprefix('record ')}"
+def start_submit(tmp_path: Path, server: FakeProviderServer, n: int) -> tuple[subprocess.Popen[str], Path, Path]:
+    """``batchrun submit`` of ``n`` long lines, started: (the process, its ledger, its output file)."""
+    src, db, out = tmp_path / "in.jsonl", tmp_path / "ledger.db", tmp_path / "out.jsonl"
+    write_input(src, n)
+    proc = start_cli(
+        tmp_path, "submit", "--input", str(src), "--base-url", server.base_url, "--db", str(db),
+        "--output", str(out), "--concurrency", str(CONCURRENCY), "--quiet",
+    )
+    return proc, db, out
 
 
 def wait_until(what: str, check: Any, timeout: float = 60) -> None:
@@ -87,12 +87,7 @@ def wait_until(what: str, check: Any, timeout: float = 60) -> None:
 
 def test_a_request_goes_out_before_the_ingest_ends(tmp_path: Path, padded_server: FakeProviderServer) -> None:
     n = 16_000
-    src, db, out = tmp_path / "in.jsonl", tmp_path / "ledger.db", tmp_path / "out.jsonl"
-    write_input(src, n)
-    proc = start_cli(
-        tmp_path, "submit", "--input", str(src), "--base-url", padded_server.base_url, "--db", str(db),
-        "--output", str(out), "--concurrency", str(CONCURRENCY), "--quiet",
-    )
+    proc, db, out = start_submit(tmp_path, padded_server, n)
     try:
         wait_until("the first request", lambda: padded_server.log)
         proc.send_signal(signal.SIGSTOP)  # hold it still while we look
@@ -114,12 +109,7 @@ def test_a_request_goes_out_before_the_ingest_ends(tmp_path: Path, padded_server
 def test_sigkill_while_ingesting_and_sending_then_resume(tmp_path: Path, padded_server: FakeProviderServer) -> None:
     n = 16_000
     padded_server.faults = Faults(latency_s=0.01, p_500=0.02, seed=9)
-    src, db, out = tmp_path / "in.jsonl", tmp_path / "ledger.db", tmp_path / "out.jsonl"
-    write_input(src, n)
-    proc = start_cli(
-        tmp_path, "submit", "--input", str(src), "--base-url", padded_server.base_url, "--db", str(db),
-        "--output", str(out), "--concurrency", str(CONCURRENCY), "--quiet",
-    )
+    proc, db, out = start_submit(tmp_path, padded_server, n)
     try:
         succeeded = "select count(*) from items where state = 'succeeded'"
         wait_until("50 answers committed", lambda: query(db, succeeded)[0][0] >= 50)
@@ -174,12 +164,7 @@ def test_overlapping_submits_find_one_job_and_one_ingester(tmp_path: Path, padde
 
 def test_sigterm_mid_ingest_exits_75_and_resume_finishes(tmp_path: Path, padded_server: FakeProviderServer) -> None:
     n = 16_000
-    src, db, out = tmp_path / "in.jsonl", tmp_path / "ledger.db", tmp_path / "out.jsonl"
-    write_input(src, n)
-    proc = start_cli(
-        tmp_path, "submit", "--input", str(src), "--base-url", padded_server.base_url, "--db", str(db),
-        "--output", str(out), "--concurrency", str(CONCURRENCY), "--quiet",
-    )
+    proc, db, out = start_submit(tmp_path, padded_server, n)
     try:
         wait_until("an answer committed", lambda: query(db, "select count(*) from items where state = 'succeeded'")[0][0])
         proc.send_signal(signal.SIGTERM)

@@ -10,6 +10,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
+
 from batchrun.errors import InputError, LockLostError, StoppedError
 from batchrun.scheduler import JobRunner, RunResult
 from batchrun.states import ItemState, StopReason
@@ -89,7 +91,19 @@ def test_with_nothing_to_claim_the_run_waits_for_its_ingest_then_ends() -> None:
     assert feed.joined_at is not None
 
 
-def test_an_ingest_that_fails_stops_the_run_with_its_error() -> None:
+@pytest.mark.parametrize(
+    ("error", "reason", "message"),
+    [
+        (InputError("in.jsonl: cannot read input: Input/output error"), StopReason.ERROR,
+         "the ingest of the input stopped: in.jsonl: cannot read input: Input/output error"),
+        (LockLostError("job 1's lock was taken over by run abc"), StopReason.LOCK_LOST,
+         "job 1's lock was taken over by run abc"),
+    ],
+    ids=["input-error", "lock-lost"],
+)
+def test_an_ingest_that_fails_stops_the_run_with_its_error(
+    error: BaseException, reason: StopReason, message: str
+) -> None:
     ledger = InMemoryLedger()
     job_id = add_job(ledger, make_spec(concurrency=2), 3)
     feed = ScriptedFeed()
@@ -98,28 +112,11 @@ def test_an_ingest_that_fails_stops_the_run_with_its_error() -> None:
     async def main() -> RunResult:
         run = asyncio.create_task(job_runner.run())
         await until(lambda: ledger.counts(job_id)[ItemState.SUCCEEDED] == 3)
-        feed.fail(InputError("in.jsonl: cannot read input: Input/output error"))
+        feed.fail(error)
         return await asyncio.wait_for(run, 5)
 
     result = asyncio.run(main())
-    assert result.stop_reason == StopReason.ERROR
-    assert result.stop_message == "the ingest of the input stopped: in.jsonl: cannot read input: Input/output error"
-
-
-def test_an_ingest_that_lost_the_lock_stops_the_run_as_a_lost_lock() -> None:
-    ledger = InMemoryLedger()
-    job_id = add_job(ledger, make_spec(concurrency=2), 2)
-    feed = ScriptedFeed()
-    job_runner = with_feed(runner(ledger, job_id, FakeChat()), feed)
-
-    async def main() -> RunResult:
-        run = asyncio.create_task(job_runner.run())
-        await until(lambda: ledger.counts(job_id)[ItemState.SUCCEEDED] == 2)
-        feed.fail(LockLostError("job 1's lock was taken over by run abc"))
-        return await asyncio.wait_for(run, 5)
-
-    result = asyncio.run(main())
-    assert result.stop_reason == StopReason.LOCK_LOST
+    assert result.stop_reason == reason and result.stop_message == message
 
 
 def test_a_stopped_run_stops_its_ingest_and_waits_for_it() -> None:
