@@ -430,11 +430,12 @@ class BackgroundIngest:
         self.error: BaseException | None = None
         self.done = False
         self._thread: threading.Thread | None = None
+        self._ended = threading.Event()  # set before the last on_batch, so the run sees it when woken
 
     @property
     def ended(self) -> bool:
         """Whether the ingest has ended (done, or stopped by ``error``)."""
-        return self._thread is not None and not self._thread.is_alive()
+        return self._ended.is_set()
 
     def start(
         self,
@@ -478,6 +479,7 @@ class BackgroundIngest:
         except BaseException as exc:  # the run stops with it
             self.error = exc
         finally:
+            self._ended.set()
             on_batch(0)  # the run looks again: the ingest has ended
 
     def join(self) -> None:

@@ -29,6 +29,10 @@ memory (each holding its slot, so at most the concurrency) and are committed
 once the database is back. On PostgreSQL the job's ``rpm``/``tpm`` are one
 budget for all its runs, kept in the ledger (:class:`SharedTokenBucket`).
 
+A run may have the rest of its job's ingest beside it (a :class:`Feed`, on a thread, writing
+under the run's job lock): with nothing to claim, the dispatcher waits for its next batch
+instead of ending, claims once more after it ends, and the run joins it before it ends.
+
 Stopping: :meth:`JobRunner.request_stop` stops claiming; unstarted items go
 back at once, in-flight requests get ``grace_seconds`` to finish, anything
 left is put back to ``pending``, the ledger is flushed.
@@ -97,12 +101,8 @@ class Feed(Protocol):
     """The rest of a job's ingest, running beside the run (:class:`batchrun.ingest.BackgroundIngest`)."""
 
     @property
-    def done(self) -> bool:
-        """The whole input is stored and the job marked so."""
-
-    @property
     def ended(self) -> bool:
-        """The ingest has ended: ``done``, or stopped by ``error``."""
+        """The ingest has ended: the whole input stored and the job marked so, or stopped by ``error``."""
 
     @property
     def error(self) -> BaseException | None: ...

@@ -4,9 +4,9 @@
   the input, refuse output files it may not replace, run it (unless ``run=False``),
   and export it once it is finished. An online run sends while the input is still
   being read: the ingest goes on beside it, on a thread, and each stored batch is
-  workable at once (``run=False`` and batch mode ingest the whole input first). The input is a file (JSONL, CSV, Parquet) or any
-  iterable of dicts, spooled to a file first (batchrun/spool.py) so that the same
-  records find the same job;
+  workable at once (``run=False`` and batch mode ingest the whole input first). The
+  input is a file (JSONL, CSV, Parquet) or any iterable of dicts, spooled to a file
+  first (batchrun/spool.py) so that the same records find the same job;
 - :func:`resume`: carry on a job (an ingest a crash interrupted, beside the run), and export it;
 - :func:`submit_async`, :func:`resume_async`: the same from a running event loop; the
   synchronous ledger phases (ingest, export) run in a thread.

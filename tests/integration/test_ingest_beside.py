@@ -11,6 +11,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+from batchrun.errors import LockLostError
+from batchrun.jobs import ingest_beside, prepare_job
 from batchrun.ledger import Ledger
 from batchrun.scheduler import JobRunner
 from batchrun.spec import JobSpec, parse_spec
@@ -95,3 +97,27 @@ def test_no_run_ingests_the_whole_input_first(ledger: Ledger, server: FakeProvid
     stored = submit(ledger, job_spec(server), src, run=False)
     assert stored.prepared is not None and stored.prepared.ingest is not None and stored.prepared.ingest.accepted == 3000
     assert ledger.get_job(stored.job_id).ingest_done and stored.total == 3000 and not server.log
+
+
+def test_the_ingest_has_ended_when_it_last_wakes_the_run_and_writes_only_under_its_lock(
+    ledger: Ledger, server: FakeProviderServer, tmp_path: Path
+) -> None:
+    src = write_records(tmp_path / "in.jsonl", 1200)
+    prepared = prepare_job(ledger, job_spec(server), src, ingest=False)
+    stranger = ingest_beside(ledger, prepared.job_id, src)
+    assert stranger is not None
+    stranger.start("not-the-lock-holder", lambda n: None, lambda: False, lambda: 0)
+    stranger.join()
+    assert isinstance(stranger.error, LockLostError) and not stranger.done  # fenced: nothing written
+    assert sum(ledger.counts(prepared.job_id).values()) == 0
+
+    run_id = ledger.start_run(prepared.job_id, "submit", exclusive=True)
+    feed = ingest_beside(ledger, prepared.job_id, src)
+    assert feed is not None
+    woken: list[tuple[int, bool]] = []  # (new items, ended) at each wake-up
+    feed.start(run_id, lambda n: woken.append((n, feed.ended)), lambda: False, lambda: 0)
+    feed.join()
+    assert feed.done and feed.error is None
+    assert woken[0] == (500, False) and woken[-1] == (0, True), woken  # the run, woken last, sees it ended
+    assert sum(n for n, _ in woken) == 1200
+    assert ledger.get_job(prepared.job_id).ingest_done
