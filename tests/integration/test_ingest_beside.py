@@ -12,10 +12,10 @@ import orjson
 import pytest
 
 from batchrun.errors import LockLostError
-from batchrun.jobs import ingest_beside, prepare_job
+from batchrun.jobs import ingest_beside, ingests_beside, prepare_job
 from batchrun.ledger import Ledger
 from batchrun.scheduler import JobRunner
-from batchrun.spec import JobSpec, parse_spec
+from batchrun.spec import JobSpec, Overrides, parse_spec
 from batchrun.states import ExitCode, ItemState, StopReason
 from batchrun.submission import resume, submit
 from batchrun.testing import FakeProviderServer, Faults
@@ -121,3 +121,13 @@ def test_the_ingest_has_ended_when_it_last_wakes_the_run_and_writes_only_under_i
     assert woken[0] == (500, False) and woken[-1] == (0, True), woken  # the run, woken last, sees it ended
     assert sum(n for n, _ in woken) == 1200
     assert ledger.get_job(prepared.job_id).ingest_done
+
+
+def test_only_an_online_run_takes_the_ingest_beside_it(ledger: Ledger, server: FakeProviderServer, tmp_path: Path) -> None:
+    src = write_records(tmp_path / "in.jsonl", 10)
+    prepared = prepare_job(ledger, job_spec(server), src, ingest=False)
+    assert ingests_beside(ledger, prepared.job_id, None)
+    assert not ingests_beside(ledger, prepared.job_id, Overrides(mode="batch"))  # batch mode ingests first
+    batch = submit(ledger, job_spec(server), src, overrides=Overrides(mode="batch"), run=False)
+    assert batch.job_id == prepared.job_id and ledger.get_job(prepared.job_id).ingest_done
+    assert not ingests_beside(ledger, prepared.job_id, None)  # nothing left to read
