@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from batchrun.errors import LockLostError
+from batchrun.errors import InputError, LockLostError
 from batchrun.jobs import ingest_beside, ingests_beside, prepare_job
 from batchrun.ledger import Ledger
 from batchrun.scheduler import JobRunner
@@ -20,6 +20,7 @@ from batchrun.states import ExitCode, ItemState, StopReason
 from batchrun.submission import resume, submit
 from batchrun.testing import FakeProviderServer, Faults
 
+from .test_collect import cache_home  # noqa: F401  (autouse: a PostgreSQL ledger's spooled records stay in tmp_path)
 from .test_structured import FAST
 
 N = 6_000
@@ -131,3 +132,14 @@ def test_only_an_online_run_takes_the_ingest_beside_it(ledger: Ledger, server: F
     batch = submit(ledger, job_spec(server), src, overrides=Overrides(mode="batch"), run=False)
     assert batch.job_id == prepared.job_id and ledger.get_job(prepared.job_id).ingest_done
     assert not ingests_beside(ledger, prepared.job_id, None)  # nothing left to read
+
+
+def test_records_that_make_no_job_are_an_input_error(ledger: Ledger, server: FakeProviderServer) -> None:
+    with pytest.raises(InputError, match="the input is empty, so no job was created"):
+        submit(ledger, job_spec(server), [])
+    with pytest.raises(InputError, match=r"none of its 2 lines can be sent.*'text' is missing from the record "
+                                         r"\(did you mean 'texts'\?\)"):
+        submit(ledger, job_spec(server), [{"texts": "a"}, {"texts": "b"}])
+    assert ledger.list_jobs() == []
+    empty = submit(ledger, job_spec(server), [], allow_empty=True)
+    assert empty.exit_code == ExitCode.OK and empty.total == 0 and not server.log
