@@ -230,14 +230,19 @@ def _show_prepared(input_path: str) -> Callable[[PreparedJob], None]:
 
     def show(prepared: PreparedJob) -> None:
         click.echo(str(prepared.job_id))
-        if prepared.ingest and prepared.ingest.rejected:
-            click.echo(f"batchrun: {prepared.ingest.rejected} bad input lines were rejected, e.g.:", err=True)
-            for line, reason in prepared.ingest.rejections[:3]:
-                click.echo(f"  {input_path}:{line}: {reason}", err=True)
+        _show_rejected(prepared, input_path)
         if not prepared.created:
             click.echo(f"batchrun: carrying on job {prepared.job_id} (same spec and input)", err=True)
 
     return show
+
+
+def _show_rejected(prepared: PreparedJob | None, input_path: str) -> None:
+    """Some of the lines an ingest rejected (before the run, or after it when it read beside the run)."""
+    if prepared and prepared.ingest and prepared.ingest.rejected:
+        click.echo(f"batchrun: {prepared.ingest.rejected} bad input lines were rejected, e.g.:", err=True)
+        for line, reason in prepared.ingest.rejections[:3]:
+            click.echo(f"  {input_path}:{line}: {reason}", err=True)
 
 
 def _show_result(result: SubmitResult, *, as_json: bool) -> None:
@@ -281,6 +286,8 @@ def _show_result(result: SubmitResult, *, as_json: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace an output file that is not this job's own export.")
 @click.option("--new", is_flag=True, help="Always create a new job, even if this spec and input were submitted before.")
 @click.option("--strict", is_flag=True, help="Refuse the whole input if any line is bad (nothing is sent).")
+@click.option("--allow-empty", is_flag=True,
+              help="Accept an empty input (a job with no items, exit 0); without it an empty input exits 2.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (job_id, total, counts, ...) at the end.")
 @provider_option
 @click.option("--dry-run", is_flag=True,
@@ -293,8 +300,8 @@ def _show_result(result: SubmitResult, *, as_json: bool) -> None:
 @mode_options
 @handle_errors
 def submit(spec: str | None, input_path: str, output: str | None, fmt: str, errors: str | None, force: bool,
-           new: bool, strict: bool, as_json: bool, dry_run: bool, no_run: bool, db: str | None, quiet: bool, transport: str,
-           wait: bool | None, **kw: Any) -> None:
+           new: bool, strict: bool, allow_empty: bool, as_json: bool, dry_run: bool, no_run: bool, db: str | None,
+           quiet: bool, transport: str, wait: bool | None, **kw: Any) -> None:
     """Submit INPUT under job SPEC and work it to the end.
 
     The same SPEC and input content find the existing job and carry it on
@@ -331,14 +338,25 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
         _show_dry_run(estimate(job_spec, input_path, strict=strict), as_json=as_json)
         return
     _log_to_file(kw.get("log_file"))
+    prepared: list[PreparedJob] = []  # the job once stored, shown before the run
+    show_prepared = _show_prepared(input_path)
+
+    def on_prepared(job: PreparedJob) -> None:
+        prepared.append(job)
+        show_prepared(job)
+
     with _open(db) as ledger:
         result = submit_job(
             ledger, job_spec, input_path, output=output, fmt=fmt, errors=errors, force=force, new=new, strict=strict,
             run=not no_run, overrides=overrides, options=RunOptions(command="submit", transport=transport),
             batch=_batch_options("submit", wait, quiet or as_json),
-            handle_signals=True, on_prepared=None if as_json else _show_prepared(input_path),
+            handle_signals=True,
+            on_prepared=None if as_json else on_prepared,
             on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
+            allow_empty=allow_empty,
         )
+    if prepared and prepared[0].ingest is None:  # the input was read beside the run
+        _show_rejected(result.prepared, input_path)
     _show_result(result, as_json=as_json)
 
 

@@ -7,10 +7,13 @@ row a record. Every line (row) becomes exactly one item: a request ready to send
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import sqlite3
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +29,13 @@ from batchrun.states import ItemState
 from batchrun.tabular import RowProblem, input_format, read_csv, read_parquet
 
 INSERT_BATCH = 5000
+FIRST_BATCH = 500  # a run sending beside its ingest starts once these lines are stored
+# An ingest beside a run this many items ahead of what the run has taken reads at a quarter of
+# its speed (it sleeps 3x each batch's time), leaving the CPU (one GIL) to the sending; measured
+# in bench/RESULTS.md ("send while ingesting"). Never a full pause: the input is read to its end.
+AHEAD_ITEMS = 20_000
+AHEAD_SLEEP_RATIO = 3.0
+AHEAD_SLEEP_MAX_S = 1.0
 RENEW_CHECK_LINES = 256  # lines between two looks at the clock (is a batch due for the lock's sake?)
 HASH_CHUNK = 1 << 20
 MAX_STRICT_ERRORS_SHOWN = 5
@@ -40,6 +50,16 @@ class IngestStats:
     accepted: int = 0
     rejected: int = 0
     rejections: list[tuple[int, str]] = field(default_factory=list)  # first few, for messages
+    causes: Counter[str] = field(default_factory=Counter)  # rejected lines by error class
+    examples: dict[str, tuple[int, str]] = field(default_factory=dict)  # error class: its first (line, reason)
+
+    def most_common_cause(self) -> tuple[int, int, str] | None:
+        """(lines, first line, reason) of the commonest kind of rejection, if any line was rejected."""
+        if not self.causes:
+            return None
+        error_class, n = self.causes.most_common(1)[0]
+        line, reason = self.examples[error_class]
+        return n, line, reason
 
 
 class _BadLine(Exception):
@@ -106,7 +126,11 @@ class RequestBuilder:
                 rendered = [{"role": "system", "content": self.system.render(record)}] if self.system else []
                 rendered += [{"role": role, "content": t.render(record)} for role, t in self.messages]
             except TemplateFieldError as exc:
-                raise _BadLine("missing_field", f"template field {exc.args[0]!r} is missing from the record") from None
+                missing = str(exc.args[0])
+                raise _BadLine(
+                    "missing_field",
+                    f"template field {missing!r} is missing from the record{_did_you_mean(record, missing)}",
+                ) from None
             return custom_id, None, orjson.dumps(self.provider.render_body(rendered)).decode()
         try:
             url, body = self.provider.check_batch_line(record)
@@ -114,6 +138,22 @@ class RequestBuilder:
             hint = "" if "body" in record or "params" in record else " (or give a SPEC with a [request] template for plain records)"
             raise _BadLine("not_a_request", f"{exc}{hint}") from None
         return custom_id, url, orjson.dumps(body).decode()
+
+
+def _did_you_mean(record: Mapping[str, Any], missing: str) -> str:
+    """A hint for a template field the record lacks: the closest of the keys it has there, else those keys."""
+    *parents, name = missing.split(".")
+    value: Any = record
+    for key in parents:
+        value = value.get(key) if isinstance(value, Mapping) else None
+    if not isinstance(value, Mapping) or not value:
+        return ""
+    keys = [str(k) for k in value]
+    close = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {'.'.join([*parents, close[0]])!r}?)"
+    shown = ", ".join(repr(k) for k in keys[:8]) + (", ..." if len(keys) > 8 else "")
+    return f" (it has {shown})"
 
 
 def _custom_id(record: Mapping[str, Any], line: int) -> str:
@@ -248,8 +288,26 @@ def check_input(
                     on_item(url, body)
             except _BadLine as bad:
                 stats.rejected += 1
-                if len(stats.rejections) < MAX_STRICT_ERRORS_SHOWN:
-                    stats.rejections.append((line, bad.reason))
+                _note(stats, line, bad.reason, bad.error_class)
+    return stats
+
+
+def first_item_or_why(path: str | os.PathLike[str], builder: RequestBuilder) -> IngestStats | None:
+    """None as soon as a line of the input would make an item; else (no line would) what the whole input held.
+
+    Read before a job is created, so that an empty input or one whose every line is rejected
+    creates none. Stops at the first good line: for a sound input, the cost of one line.
+    """
+    stats = IngestStats()
+    for line, got in iter_records(path, builder.spec.run.max_line_bytes):
+        stats.lines += 1
+        try:
+            _build(builder, got, line)
+        except _BadLine as bad:
+            stats.rejected += 1
+            _note(stats, line, bad.reason, bad.error_class)
+            continue
+        return None
     return stats
 
 
@@ -262,6 +320,7 @@ def ingest(
     run_id: str | None = None,
     on_batch: Callable[[IngestStats], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    first_batch: int | None = None,
 ) -> IngestStats:
     """Stream ``path`` into the job's items, continuing after the last line already stored.
 
@@ -273,13 +332,15 @@ def ingest(
     ``lock_stale_seconds / 4`` however few lines it has, so a slow read never lets
     the lock look stale. ``should_stop`` is asked before the first line and between
     batches: a signal stops the ingest at a clean point (StoppedError), never in
-    the middle of a write.
+    the middle of a write. ``first_batch``: lines in the first batch (a run
+    sending beside the ingest starts on it).
     """
     stats = IngestStats()
     max_bytes = builder.spec.run.max_line_bytes
     renew_every = builder.spec.run.lock_stale_seconds / 4
     start_after = ledger.last_ingested_line(job_id)
     batch: list[dict[str, Any]] = []
+    batch_size = first_batch or INSERT_BATCH
     written_at = time.monotonic()
 
     def stop_if_asked(where: str) -> None:
@@ -287,15 +348,17 @@ def ingest(
             raise StoppedError(f"stopped while reading {path} {where}; run the same command again to carry on")
 
     def flush() -> None:
-        nonlocal written_at
+        nonlocal written_at, batch_size
         # A batch written again after a lost connection changes nothing more (each line is stored once).
         taken = ride_out(ledger, lambda: ledger.insert_items(job_id, batch, run_id=run_id), what="ingest")
         written_at = time.monotonic()
         stats.accepted -= len(taken)
         stats.rejected += len(taken)
         for row, first in taken:
-            _note(stats, row["line"], f"custom_id {row['custom_id']!r} was already used on line {first}")
+            _note(stats, row["line"], f"custom_id {row['custom_id']!r} was already used on line {first}",
+                  "duplicate_custom_id")
         batch.clear()
+        batch_size = INSERT_BATCH
         if on_batch:
             on_batch(stats)
 
@@ -320,8 +383,8 @@ def ingest(
                 }
             )
             stats.rejected += 1
-            _note(stats, line, bad.reason)
-        if len(batch) >= INSERT_BATCH or (
+            _note(stats, line, bad.reason, bad.error_class)
+        if len(batch) >= batch_size or (
             line % RENEW_CHECK_LINES == 0 and time.monotonic() - written_at > renew_every
         ):
             flush()
@@ -330,9 +393,11 @@ def ingest(
     return stats
 
 
-def _note(stats: IngestStats, line: int, reason: str) -> None:
+def _note(stats: IngestStats, line: int, reason: str, error_class: str) -> None:
     if len(stats.rejections) < MAX_STRICT_ERRORS_SHOWN:
         stats.rejections.append((line, reason))
+    stats.causes[error_class] += 1
+    stats.examples.setdefault(error_class, (line, reason))
 
 
 def _fallback_custom_id(got: dict[str, Any] | _BadLine | None, line: int) -> str:
@@ -343,6 +408,84 @@ def _fallback_custom_id(got: dict[str, Any] | _BadLine | None, line: int) -> str
         except _BadLine:
             pass
     return str(line)
+
+
+class BackgroundIngest:
+    """The rest of a job's ingest on a thread of its own, beside the run that sends its items.
+
+    :meth:`start` is given the run's id: the run holds the job lock, and every batch is
+    written under it (fenced: a run that lost the job writes nothing more). Each batch's
+    items are workable once it is committed; ``on_batch`` says so (from the ingest's
+    thread). ``done`` once the whole input is stored and the job marked so
+    (``ingest_done``); ``error`` is what stopped it otherwise (a stop asked by
+    ``should_stop`` included: StoppedError).
+    """
+
+    def __init__(self, ledger: Ledger, job_id: int, path: str | os.PathLike[str], builder: RequestBuilder) -> None:
+        self.ledger = ledger
+        self.job_id = job_id
+        self.path = path
+        self.builder = builder
+        self.stats: IngestStats | None = None
+        self.error: BaseException | None = None
+        self.done = False
+        self._thread: threading.Thread | None = None
+        self._ended = threading.Event()  # set before the last on_batch, so the run sees it when woken
+
+    @property
+    def ended(self) -> bool:
+        """Whether the ingest has ended (done, or stopped by ``error``)."""
+        return self._ended.is_set()
+
+    def start(
+        self,
+        run_id: str,
+        on_batch: Callable[[int], None],
+        should_stop: Callable[[], bool],
+        taken: Callable[[], int],
+    ) -> None:
+        """Start reading on a thread; ``on_batch(accepted)`` after each committed batch and once at the end.
+
+        ``taken()``: how many items the run has claimed so far; while the ingest is far
+        ahead of it (AHEAD_ITEMS), it slows down so the run has the CPU.
+        """
+        self._thread = threading.Thread(
+            target=self._main, args=(run_id, on_batch, should_stop, taken), name="batchrun-ingest", daemon=True
+        )
+        self._thread.start()
+
+    def _main(
+        self, run_id: str, on_batch: Callable[[int], None], should_stop: Callable[[], bool], taken: Callable[[], int]
+    ) -> None:
+        told = 0
+        since = time.monotonic()
+
+        def batch_in(stats: IngestStats) -> None:
+            nonlocal told, since
+            on_batch(stats.accepted - told)
+            told = stats.accepted
+            took = time.monotonic() - since
+            if stats.accepted - taken() > AHEAD_ITEMS and not should_stop():
+                time.sleep(min(AHEAD_SLEEP_MAX_S, took * AHEAD_SLEEP_RATIO))
+            since = time.monotonic()
+
+        try:
+            self.stats = ingest(
+                self.ledger, self.job_id, self.path, self.builder, run_id=run_id, on_batch=batch_in,
+                should_stop=should_stop, first_batch=min(FIRST_BATCH, INSERT_BATCH),
+            )
+            ride_out(self.ledger, lambda: self.ledger.finish_ingest(self.job_id, run_id=run_id), what="ingest")
+            self.done = True
+        except BaseException as exc:  # the run stops with it
+            self.error = exc
+        finally:
+            self._ended.set()
+            on_batch(0)  # the run looks again: the ingest has ended
+
+    def join(self) -> None:
+        """Wait for the thread to end (it stops at its next batch once ``should_stop`` says so)."""
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _open_input(path: str | os.PathLike[str]) -> BinaryIO:

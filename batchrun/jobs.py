@@ -24,7 +24,15 @@ from batchrun.errors import (
     StoppedError,
     UsageError,
 )
-from batchrun.ingest import IngestStats, RequestBuilder, check_input, hash_input, ingest
+from batchrun.ingest import (
+    BackgroundIngest,
+    IngestStats,
+    RequestBuilder,
+    check_input,
+    first_item_or_why,
+    hash_input,
+    ingest,
+)
 from batchrun.ledger import JobRecord, Ledger, LedgerQueries, ride_out
 from batchrun.ledger.shards import ShardLedger
 from batchrun.pricing import Price, price_for
@@ -63,13 +71,18 @@ def prepare_job(
     *,
     new: bool = False,
     strict: bool = False,
+    allow_empty: bool = False,
+    ingest: bool = True,
     on_batch: Callable[[IngestStats], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> PreparedJob:
     """Find the job for this spec and input content, or create it and ingest the input.
 
-    An interrupted ingest is carried on from its last stored line. With
-    ``strict``, a bad line refuses the whole file before any job is created.
+    An interrupted ingest is carried on from its last stored line; with ``ingest``
+    False it is left to the run (:func:`ingest_beside`). No job is created for an
+    input that would have no item to send (InputError, exit 2): one whose every
+    line is rejected, or an empty one unless ``allow_empty``. With ``strict``, a
+    bad line refuses the whole file before any job is created.
     """
     _check_submittable(spec)
     path = Path(input_path)
@@ -78,13 +91,39 @@ def prepare_job(
     if existing is not None and ledger.get_job(existing).ingest_done:
         return PreparedJob(existing, False, None)
     builder = _builder(spec)
-    if strict and existing is None:
-        checked = check_input(path, builder)
-        if checked.rejected:
-            raise _bad_lines(path, checked)
+    if existing is None:
+        if strict:
+            checked = check_input(path, builder)
+            if checked.rejected:
+                raise _bad_lines(path, checked)
+            if not checked.lines and not allow_empty:
+                raise _no_items(path, checked)
+        else:
+            nothing = first_item_or_why(path, builder)
+            if nothing is not None and (nothing.lines or not allow_empty):
+                raise _no_items(path, nothing)
     job_id, created = ledger.find_or_create_job(spec, input_path=str(path.absolute()), input_hash=input_hash, new=new)
+    if not ingest:
+        return PreparedJob(job_id, created, None)
     stats = _ingest_locked(ledger, job_id, path, builder, on_batch, should_stop)
     return PreparedJob(job_id, created, stats)
+
+
+def _no_items(path: Path, read: IngestStats) -> InputError:
+    """Why an input makes no job: it is empty, or every line of it is rejected (the commonest cause named)."""
+    if not read.lines:
+        return InputError(
+            f"{path}: the input is empty, so no job was created (an upstream export that wrote nothing?); "
+            "to submit an empty input anyway, add --allow-empty"
+        )
+    cause = read.most_common_cause()
+    assert cause is not None  # every line was rejected
+    lines, line, reason = cause
+    share = "every line" if lines == read.lines else f"{lines} of them"
+    return InputError(
+        f"{path}: none of its {read.lines} lines can be sent, so no job was created; "
+        f"the commonest cause ({share}), e.g. line {line}: {reason}"
+    )
 
 
 def _check_submittable(spec: JobSpec) -> None:
@@ -274,23 +313,54 @@ def _ingest_locked(
 
 
 def finish_interrupted_ingest(
-    ledger: Ledger, job_id: int, should_stop: Callable[[], bool] | None = None
+    ledger: Ledger,
+    job_id: int,
+    should_stop: Callable[[], bool] | None = None,
+    input_path: str | os.PathLike[str] | None = None,
 ) -> IngestStats | None:
-    """Carry on an ingest a crash interrupted, from the job's own input file.
+    """Carry on an ingest a crash interrupted (or :func:`prepare_job` left), to its end, before any run.
 
-    Refuses (InputError) if the file is gone or its content changed: the job's
-    identity is that content.
+    From ``input_path`` (the file just submitted), else the job's own input file,
+    refused (InputError) if it is gone or its content changed: the job's identity
+    is that content.
     """
     job = ledger.get_job(job_id)
     if job.ingest_done:
         return None
+    path = Path(input_path) if input_path is not None else _own_input(job)
+    return _ingest_locked(ledger, job_id, path, _builder(job.spec), should_stop=should_stop)
+
+
+def ingests_beside(ledger: Ledger, job_id: int, overrides: Overrides | None) -> bool:
+    """Whether the job's run would take the rest of its ingest beside it: an online run (batch mode ingests first)."""
+    job = ledger.get_job(job_id)
+    return not job.ingest_done and effective_spec(job, overrides).run.mode != "batch"
+
+
+def ingest_beside(
+    ledger: Ledger, job_id: int, input_path: str | os.PathLike[str] | None = None
+) -> BackgroundIngest | None:
+    """The rest of job ``job_id``'s ingest, to run beside its run (None: its input is all in).
+
+    ``input_path`` is the file just submitted (its content is the job's); without it, the
+    job's own input file, refused (InputError) if it is gone or its content changed.
+    """
+    job = ledger.get_job(job_id)
+    if job.ingest_done:
+        return None
+    path = Path(input_path) if input_path is not None else _own_input(job)
+    return BackgroundIngest(ledger, job_id, path, _builder(job.spec))
+
+
+def _own_input(job: JobRecord) -> Path:
+    """The job's input file, as long as its content is still the job's."""
     path = Path(job.input_path)
     if not path.is_file() or hash_input(path) != job.input_hash:
         raise InputError(
-            f"job {job_id} was interrupted while reading its input and {path} is gone or has changed; "
+            f"job {job.id} was interrupted while reading its input and {path} is gone or has changed; "
             "submit the original file again to finish it"
         )
-    return _ingest_locked(ledger, job_id, path, _builder(job.spec), should_stop=should_stop)
+    return path
 
 
 def effective_spec(job: JobRecord, overrides: Overrides | None) -> JobSpec:
@@ -307,8 +377,13 @@ async def run_job(
     on_start: Callable[[JobRunner | BatchRunner], None] | None = None,
     handle_signals: bool = False,
     batch: BatchOptions | None = None,
+    feed: BackgroundIngest | None = None,
 ) -> RunSummary:
     """Work a job until it is finished or stopped; the run's end is recorded with its exit code.
+
+    ``feed`` is the rest of the job's ingest (:func:`ingest_beside`), run beside an online
+    run under its job lock: items are sent as their batch is stored, and the job is not
+    finished before its whole input is in. A batch-mode job takes none (ingest it first).
 
     ``on_start`` gets each runner before work begins (to show progress, or to stop
     it with its ``request_stop``). With ``handle_signals``, SIGINT/SIGTERM stop the
@@ -322,11 +397,13 @@ async def run_job(
     spec = effective_spec(job, overrides)
     batch = batch or BatchOptions(command=(options or RunOptions()).command)
     if spec.run.mode == "batch":
+        if feed is not None:
+            raise UsageError(f"job {job_id} runs in batch mode: its input is ingested before the run, not beside it")
         summary = await _run_batch(ledger, job, spec, batch, on_start, handle_signals)
         if not summary.go_online or summary.result.stop_reason is not None:
             return summary
         spec = dataclasses.replace(spec, run=dataclasses.replace(spec.run, mode="online"))
-    summary = await _run_online(ledger, job, spec, options, sender, on_start, handle_signals)
+    summary = await _run_online(ledger, job, spec, options, sender, on_start, handle_signals, feed)
     if summary.result.stop_reason is None and ShardLedger(ledger).shards(job_id, open_only=True):
         collect = dataclasses.replace(batch, create=False)
         return await _run_batch(ledger, job, spec, collect, on_start, handle_signals)
@@ -341,9 +418,10 @@ async def _run_online(
     sender: Sender | None,
     on_start: Callable[[JobRunner | BatchRunner], None] | None,
     handle_signals: bool,
+    feed: BackgroundIngest | None = None,
 ) -> RunSummary:
     provider = provider_for(spec)
-    runner = JobRunner(ledger, job, spec, provider, options, sender=sender)
+    runner = JobRunner(ledger, job, spec, provider, options, sender=sender, feed=feed)
     if runner.admission.spend is not None and unbounded_answers(spec):
         log.warning(
             "the spec sets no [request] max_tokens, so the budget reserves the provider's default guess of an "

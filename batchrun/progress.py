@@ -23,6 +23,7 @@ log = logging.getLogger("batchrun.progress")
 def snapshot(runner: JobRunner, todo: int) -> dict[str, Any]:
     """Where the run stands: counts, rate, ETA, spend, errors by class, concurrency and rate-limit state."""
     s = runner.stats
+    todo += s.fed  # items the ingest beside the run has stored since it started
     done = sum(s.done[k] for k in WORKED_STATES)
     elapsed = max(1e-9, time.time() - s.started_at)
     rate = done / elapsed
@@ -120,6 +121,7 @@ async def show_progress(
             progress.update(
                 task,
                 completed=snap["done"],
+                total=snap["todo"],
                 detail=f"in flight {snap['in_flight']}/{snap['concurrency_now']}  ${snap['cost_usd']:.4f}  "
                 f"failed {snap['failed']}" + (f"  reused {snap['cached']}" if snap["cached"] else "")
                 + f"  {errors}{paused}",

@@ -29,6 +29,10 @@ memory (each holding its slot, so at most the concurrency) and are committed
 once the database is back. On PostgreSQL the job's ``rpm``/``tpm`` are one
 budget for all its runs, kept in the ledger (:class:`SharedTokenBucket`).
 
+A run may have the rest of its job's ingest beside it (a :class:`Feed`, on a thread, writing
+under the run's job lock): with nothing to claim, the dispatcher waits for its next batch
+instead of ending, claims once more after it ends, and the run joins it before it ends.
+
 Stopping: :meth:`JobRunner.request_stop` stops claiming; unstarted items go
 back at once, in-flight requests get ``grace_seconds`` to finish, anything
 left is put back to ``pending``, the ledger is flushed.
@@ -44,7 +48,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from sqlalchemy.exc import SQLAlchemyError
@@ -56,6 +60,7 @@ from batchrun.budget import SpendBudget, budget_price
 from batchrun.cache import cache_scope, request_key, reusable
 from batchrun.errors import (
     AuthError,
+    BatchrunError,
     BudgetExceededError,
     LedgerWriteError,
     LockLostError,
@@ -92,6 +97,23 @@ MAX_RATE_LIMITED_PER_ITEM = 100
 _NO_VALUE = object()
 
 
+class Feed(Protocol):
+    """The rest of a job's ingest, running beside the run (:class:`batchrun.ingest.BackgroundIngest`)."""
+
+    @property
+    def ended(self) -> bool:
+        """The ingest has ended: the whole input stored and the job marked so, or stopped by ``error``."""
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    def start(
+        self, run_id: str, on_batch: Callable[[int], None], should_stop: Callable[[], bool], taken: Callable[[], int]
+    ) -> None: ...
+
+    def join(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """How a run behaves, beyond the spec."""
@@ -124,6 +146,7 @@ class RunStats:
     window: int = 0
     paused_for: float = 0.0
     cached: int = 0  # items finished with a reused answer (also counted in done["succeeded"])
+    fed: int = 0  # items the ingest beside the run stored since the run started (not in its first todo)
 
 
 @dataclass(frozen=True)
@@ -177,8 +200,12 @@ class JobRunner:
         *,
         sender: Sender | None = None,
         sleep: Callable[[float], Awaitable[None]] | None = None,
+        feed: Feed | None = None,
     ) -> None:
         self.ledger = ledger
+        self.feed = feed  # the job's ingest, when it goes on beside the run
+        self._ending = False  # the run is ending: the feed stops at its next batch
+        self._taken = 0  # items claimed so far (the feed slows down when far ahead of them)
         self.job = job
         self.spec = spec
         self.provider = provider
@@ -292,6 +319,13 @@ class JobRunner:
                 orphans = await self._ledger(self.ledger.requeue_expired, self.job.id)
             if orphans:
                 log.info("put %d items left running by an earlier run back to pending", orphans)
+            if self.feed is not None:  # the lock is this run's: the ingest writes under it
+                loop = asyncio.get_running_loop()
+
+                def fed(accepted: int) -> None:  # on the ingest's thread
+                    loop.call_soon_threadsafe(self._fed, accepted)
+
+                self.feed.start(self.run_id, fed, lambda: self.stopping or self._ending, lambda: self._taken)
             if admission.spend is not None:
                 admission.spend.spent = await self._ledger(self.ledger.spent_usd, self.job.id)
             for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, LATENCIES_KEPT):
@@ -333,6 +367,9 @@ class JobRunner:
                 f"resume job {self.job.id} when the database is back"
             ) from exc
         finally:
+            if self.feed is not None:  # it writes under this run's lock: it ends before the run does
+                self._ending = True
+                await asyncio.get_running_loop().run_in_executor(None, self.feed.join)
             self._db.close()
             self._bucket_db.close()
         if self._crash is not None:
@@ -344,6 +381,7 @@ class JobRunner:
         active: set[asyncio.Task[None]] = set()
         max_tasks = 2 * self.spec.run.concurrency
         batch = max(64, min(1000, 2 * self.spec.run.concurrency))
+        feed_drained = False
 
         def task_done(task: asyncio.Task[None]) -> None:
             active.discard(task)
@@ -364,11 +402,15 @@ class JobRunner:
                     except LockLostError as lost:
                         self.tenure.lose(lost)
                         break
+                    self._taken += len(claimed)
                     if not claimed:
-                        if not active:
-                            return
-                        await self._wait_for_wake()
-                        continue
+                        if active or self._feeding():
+                            await self._wait_for_wake()
+                            continue
+                        if self.feed is not None and not feed_drained:
+                            feed_drained = True  # it has ended: one more claim takes its last batch
+                            continue
+                        return
                     to_send, hits = await self._ledger(self._look_up, claimed)
                     for work in [*to_send, *(work for work, _ in hits)]:
                         self.tenure.hold(work)
@@ -434,6 +476,28 @@ class JobRunner:
         """Until an item task ends, a stop is requested or the writer dies."""
         await self._wake.wait()
         self._wake.clear()
+
+    def _fed(self, accepted: int) -> None:
+        """The ingest beside the run committed a batch (``accepted`` new items), or ended (0)."""
+        self.stats.fed += accepted
+        self._wake.set()
+
+    def _feeding(self) -> bool:
+        """Whether the ingest beside the run is still reading (more items may come); a failed one stops the run."""
+        feed = self.feed
+        if feed is None:
+            return False
+        if not feed.ended:
+            return True
+        if feed.error is not None and not self.stopping:
+            error = feed.error
+            if isinstance(error, LockLostError):
+                if not self.tenure.lock_lost:
+                    self.tenure.lose(error)
+            else:
+                message = error.message if isinstance(error, BatchrunError) else f"{type(error).__name__}: {error}"
+                self.request_stop(StopReason.ERROR, f"the ingest of the input stopped: {message}")
+        return False
 
     def _writer_ended(self, writer: asyncio.Task[None]) -> None:
         if not writer.cancelled() and writer.exception() is not None:

@@ -2,10 +2,12 @@
 
 - :func:`submit`: find the job for a spec and input content or create it and ingest
   the input, refuse output files it may not replace, run it (unless ``run=False``),
-  and export it once it is finished. The input is a file (JSONL, CSV, Parquet) or any
-  iterable of dicts, spooled to a file first (batchrun/spool.py) so that the same
-  records find the same job;
-- :func:`resume`: carry on a job (an ingest a crash interrupted, then the run), and export it;
+  and export it once it is finished. An online run sends while the input is still
+  being read: the ingest goes on beside it, on a thread, and each stored batch is
+  workable at once (``run=False`` and batch mode ingest the whole input first). The
+  input is a file (JSONL, CSV, Parquet) or any iterable of dicts, spooled to a file
+  first (batchrun/spool.py) so that the same records find the same job;
+- :func:`resume`: carry on a job (an ingest a crash interrupted, beside the run), and export it;
 - :func:`submit_async`, :func:`resume_async`: the same from a running event loop; the
   synchronous ledger phases (ingest, export) run in a thread.
 
@@ -35,7 +37,16 @@ from batchrun.batch import BatchOptions, BatchRunner
 from batchrun.errors import BatchrunError, ExportWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
 from batchrun.export import ExportResult, check_format, check_target, export_command, export_job
-from batchrun.jobs import PreparedJob, RunSummary, finish_interrupted_ingest, prepare_job, run_job
+from batchrun.ingest import BackgroundIngest, IngestStats
+from batchrun.jobs import (
+    PreparedJob,
+    RunSummary,
+    finish_interrupted_ingest,
+    ingest_beside,
+    ingests_beside,
+    prepare_job,
+    run_job,
+)
 from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.providers.http import Sender
 from batchrun.scheduler import JobRunner, RunOptions
@@ -129,6 +140,7 @@ def submit(
     schema: type | Mapping[str, Any] | None = None,
     new: bool = False,
     strict: bool = False,
+    allow_empty: bool = False,
     run: bool = True,
     overrides: Overrides | None = None,
     options: RunOptions | None = None,
@@ -143,7 +155,9 @@ def submit(
     ``input_path`` is a file, or an iterable of dicts (spooled to a file in the ledger's folder).
     ``schema`` (a Pydantic model class, or a JSON Schema) replaces the spec's ``[output] schema``.
     The same spec and input content find the existing job and carry it on (``new``:
-    always a new job); ``strict`` refuses the whole input if a line is bad.
+    always a new job); ``strict`` refuses the whole input if a line is bad. An input
+    with no line to send (empty, unless ``allow_empty``, or every line rejected)
+    creates no job: InputError.
     ``overrides`` are the run-time settings that win over the stored spec.
     ``on_prepared`` gets the job once it is stored, before the run.
     """
@@ -153,8 +167,8 @@ def submit(
         interrupt.stop_point("before the job was stored (nothing was sent); run the same command again to carry on")
     path = input_file(ledger, input_path)
     with _holding(handle_signals) as should_stop:
-        prepared = prepare_job(ledger, spec, path, new=new, strict=strict, should_stop=should_stop)
-    target.check(ledger, prepared.job_id)
+        prepared, feed = _prepare(ledger, spec, path, new, strict, allow_empty, run, overrides, should_stop)
+        _check_target(ledger, target, prepared, feed, path, should_stop)
     if on_prepared:
         on_prepared(prepared)
     if not run:
@@ -162,7 +176,7 @@ def submit(
     return _run_and_export(
         ledger, prepared.job_id, target, prepared, handle_signals,
         overrides=overrides, options=options or RunOptions(command="submit"), sender=sender, batch=batch,
-        on_start=on_start,
+        on_start=on_start, feed=feed,
     )
 
 
@@ -192,11 +206,11 @@ def resume(
     ledger.get_job(job_id)
     target.check(ledger, job_id)
     with _holding(handle_signals) as should_stop:
-        finish_interrupted_ingest(ledger, job_id, should_stop)
+        feed, _ = _rest_of_ingest(ledger, job_id, None, True, overrides, should_stop)
     return _run_and_export(
         ledger, job_id, target, None, handle_signals,
         overrides=overrides, options=options or RunOptions(command="resume"), sender=sender, batch=batch,
-        on_start=on_start,
+        on_start=on_start, feed=feed,
     )
 
 
@@ -212,6 +226,7 @@ async def submit_async(
     schema: type | Mapping[str, Any] | None = None,
     new: bool = False,
     strict: bool = False,
+    allow_empty: bool = False,
     run: bool = True,
     overrides: Overrides | None = None,
     options: RunOptions | None = None,
@@ -224,15 +239,17 @@ async def submit_async(
     target = _Target(output, fmt, errors, force)
     spec = spec.with_output_schema(schema) if schema is not None else spec
     path = await asyncio.to_thread(input_file, ledger, input_path)
-    prepared = await asyncio.to_thread(prepare_job, ledger, spec, path, new=new, strict=strict)
-    await asyncio.to_thread(target.check, ledger, prepared.job_id)
+    prepared, feed = await asyncio.to_thread(
+        _prepare, ledger, spec, path, new, strict, allow_empty, run, overrides, None
+    )
+    await asyncio.to_thread(_check_target, ledger, target, prepared, feed, path, None)
     if on_prepared:
         on_prepared(prepared)
     if not run:
         return await asyncio.to_thread(_as_stored, ledger, prepared.job_id, prepared)
     summary = await _work(ledger, prepared.job_id, overrides, options or RunOptions(command="submit"), sender,
-                          batch, on_start, handle_signals=False)
-    return await asyncio.to_thread(_finish, ledger, summary, target, prepared, None)
+                          batch, on_start, feed, handle_signals=False)
+    return await asyncio.to_thread(_finish, ledger, summary, target, _read_beside(prepared, feed), None)
 
 
 async def resume_async(
@@ -253,9 +270,9 @@ async def resume_async(
     target = _Target(output, fmt, errors, force)
     await asyncio.to_thread(ledger.get_job, job_id)
     await asyncio.to_thread(target.check, ledger, job_id)
-    await asyncio.to_thread(finish_interrupted_ingest, ledger, job_id)
+    feed, _ = await asyncio.to_thread(_rest_of_ingest, ledger, job_id, None, True, overrides, None)
     summary = await _work(ledger, job_id, overrides, options or RunOptions(command="resume"), sender,
-                          batch, on_start, handle_signals=False)
+                          batch, on_start, feed, handle_signals=False)
     return await asyncio.to_thread(_finish, ledger, summary, target, None, None)
 
 
@@ -266,6 +283,65 @@ def input_file(ledger: Ledger, input_path: InputArg) -> PathArg:
     from batchrun.spool import spool_dir, spool_records
 
     return spool_records(spool_dir(ledger.url), input_path)
+
+
+def _prepare(
+    ledger: Ledger,
+    spec: JobSpec,
+    path: PathArg,
+    new: bool,
+    strict: bool,
+    allow_empty: bool,
+    run: bool,
+    overrides: Overrides | None,
+    should_stop: Callable[[], bool] | None,
+) -> tuple[PreparedJob, BackgroundIngest | None]:
+    """The job for ``path`` (found or created), and the rest of its ingest when it goes on beside the run."""
+    prepared = prepare_job(ledger, spec, path, new=new, strict=strict, allow_empty=allow_empty, ingest=False)
+    feed, stats = _rest_of_ingest(ledger, prepared.job_id, path, run, overrides, should_stop)
+    return (dataclasses.replace(prepared, ingest=stats) if stats is not None else prepared), feed
+
+
+def _rest_of_ingest(
+    ledger: Ledger,
+    job_id: int,
+    path: PathArg | None,
+    run: bool,
+    overrides: Overrides | None,
+    should_stop: Callable[[], bool] | None,
+) -> tuple[BackgroundIngest | None, IngestStats | None]:
+    """What is left of the job's ingest: beside an online run (the feed), else done here and now (its stats).
+
+    ``path``: the file just submitted (else the job's own, checked unchanged).
+    """
+    if run and ingests_beside(ledger, job_id, overrides):
+        return ingest_beside(ledger, job_id, path), None
+    return None, finish_interrupted_ingest(ledger, job_id, should_stop, input_path=path)
+
+
+def _check_target(
+    ledger: Ledger,
+    target: _Target,
+    prepared: PreparedJob,
+    feed: BackgroundIngest | None,
+    path: PathArg,
+    should_stop: Callable[[], bool] | None,
+) -> None:
+    """:meth:`_Target.check`; a refused target still leaves the job wholly stored (as a submit that
+    ingests before its run does), so that fixing the command carries it on with nothing to read."""
+    try:
+        target.check(ledger, prepared.job_id)
+    except BatchrunError:
+        if feed is not None:
+            finish_interrupted_ingest(ledger, prepared.job_id, should_stop, input_path=path)
+        raise
+
+
+def _read_beside(prepared: PreparedJob | None, feed: BackgroundIngest | None) -> PreparedJob | None:
+    """The submitted job with what the ingest beside its run read (its rejected lines, for messages)."""
+    if prepared is None or feed is None or feed.stats is None:
+        return prepared
+    return dataclasses.replace(prepared, ingest=feed.stats)
 
 
 def _holding(handle_signals: bool) -> contextlib.AbstractContextManager[Callable[[], bool] | None]:
@@ -291,6 +367,7 @@ def _run_and_export(
     sender: Sender | None,
     batch: BatchOptions | None,
     on_start: OnStart | None,
+    feed: BackgroundIngest | None = None,
 ) -> SubmitResult:
     name = interrupt.received() if handle_signals else None
     if name is not None:  # the last stop point before the run
@@ -299,8 +376,9 @@ def _run_and_export(
             stored, exit_code=ExitCode.TEMPFAIL, stop_reason=StopReason.SIGNAL,
             error=StoppedError(f"stopped by {name} before the run started; carry on with: batchrun resume {job_id}"),
         )
-    summary = run_sync(_work(ledger, job_id, overrides, options, sender, batch, on_start,
+    summary = run_sync(_work(ledger, job_id, overrides, options, sender, batch, on_start, feed,
                              handle_signals=handle_signals))
+    prepared = _read_beside(prepared, feed)
     with _holding(handle_signals) as should_stop:
         return _finish(ledger, summary, target, prepared, should_stop)
 
@@ -313,6 +391,7 @@ async def _work(
     sender: Sender | None,
     batch: BatchOptions | None,
     on_start: OnStart | None,
+    feed: BackgroundIngest | None,
     *,
     handle_signals: bool,
 ) -> RunSummary:
@@ -334,7 +413,7 @@ async def _work(
 
     try:
         return await run_job(ledger, job_id, overrides=overrides, options=options, sender=sender, on_start=started,
-                             handle_signals=handle_signals, batch=batch)
+                             handle_signals=handle_signals, batch=batch, feed=feed)
     finally:
         if beside is not None:
             beside.cancel()

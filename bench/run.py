@@ -355,12 +355,9 @@ def submit_cmd(inp: Path, db: Path, base_url: str, concurrency: int, extra: list
             "--db", str(db), "--quiet", "--concurrency", str(concurrency), *extra, *EXTRA_ARGS]
 
 
-def _throughput(ctx: Ctx, name: str, n: int, latency: float, concurrency: int,
-                timeout: float) -> tuple[dict[str, Any], Path]:
-    wd = ctx.workdir(name)
-    inp, db = wd / "input.jsonl", wd / "ledger.db"
-    write_batch_input(inp, n)
-    prof = wd / "profile.txt" if ctx.profile else None
+def _submit_to_server(wd: Path, inp: Path, db: Path, latency: float, concurrency: int, timeout: float,
+                      prof: Path | None) -> tuple[dict[str, Any], Child, Server]:
+    """``batchrun submit`` of ``inp`` against a fresh fake server, killed after ``timeout`` s."""
     srv = Server(wd, latency=latency)
     child: Child | None = None
     try:
@@ -370,6 +367,16 @@ def _throughput(ctx: Ctx, name: str, n: int, latency: float, concurrency: int,
         if child is not None:
             child.ensure_dead()
         srv.stop()
+    return res, child, srv
+
+
+def _throughput(ctx: Ctx, name: str, n: int, latency: float, concurrency: int,
+                timeout: float) -> tuple[dict[str, Any], Path]:
+    wd = ctx.workdir(name)
+    inp, db = wd / "input.jsonl", wd / "ledger.db"
+    write_batch_input(inp, n)
+    prof = wd / "profile.txt" if ctx.profile else None
+    res, child, srv = _submit_to_server(wd, inp, db, latency, concurrency, timeout, prof)
     recs = srv.records()
     counts = ledger_counts(db) if db.exists() else {}
     ok = sum(1 for r in recs if r["outcome"] == "ok")
@@ -598,6 +605,41 @@ def t5(ctx: Ctx) -> dict[str, Any]:
     return f
 
 
+def t5s(ctx: Ctx) -> dict[str, Any]:
+    """Issue 18's T5: submit 1,000,000 lines at 0 ms latency; the first request's time after exec,
+    the requests answered in the first 30 s, peak RSS. The submit is SIGKILLed at 30 s."""
+    n, window, concurrency = 1_000_000, 30.0, 100
+    wd = ctx.workdir("t5s")
+    inp, db = wd / "input.jsonl", wd / "ledger.db"
+    write_batch_input(inp, n)
+    prof = wd / "profile.txt" if ctx.profile else None
+    res, child, srv = _submit_to_server(wd, inp, db, 0.0, concurrency, window, prof)
+    recs = srv.records()
+    first_rx = min((r["received_at"] for r in recs), default=None)
+    cut = child.t_start + window
+    ok_in_window = sum(1 for r in recs if r["outcome"] == "ok" and r["finished_at"] <= cut)
+    lines_in = sql(db, "select count(*) from items")[0][0] if db.exists() else 0
+    f: dict[str, Any] = {
+        "n": n, "latency_s": 0.0, "concurrency": concurrency, "window_s": window,
+        "time_to_first_request_s": round(first_rx - child.t_start, 3) if first_rx else None,
+        "cpu_s_before_first_request": round(child.cpu_at(first_rx), 2) if first_rx else None,
+        "requests_ok_in_window": ok_in_window, "server_requests": len(recs),
+        "lines_stored_at_kill": lines_in, "peak_rss_mb": res["maxrss_mb"],
+        "peak_rss_sampled_mb": round(max((s[2] for s in child.samples), default=0.0), 1),
+        "cpu_s": res["cpu_s"],
+    }
+    if prof is not None:
+        f["profile"] = str(prof)
+    f["target"] = "first request <= 1 s after exec, peak RSS <= 150 MB (requests in 30 s: vs the cookbook)"
+    ttfr = f["time_to_first_request_s"]
+    f["met"] = ttfr is not None and ttfr <= 1.0 and f["peak_rss_mb"] <= 150
+    if not ctx.keep_big:
+        inp.unlink(missing_ok=True)
+        for p in wd.glob("ledger.db*"):
+            p.unlink()
+    return f
+
+
 SUCCEEDED_RESPONSE = json.dumps({
     "id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": MODEL,
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "echo: " + PROMPT},
@@ -679,9 +721,9 @@ def t6(ctx: Ctx) -> dict[str, Any]:
 
 
 SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
-    "t1": t1, "t2": t2, "t3": t3, "t3s": t3s, "t4": t4, "t5": t5, "t6": t6,
+    "t1": t1, "t2": t2, "t3": t3, "t3s": t3s, "t4": t4, "t5": t5, "t5s": t5s, "t6": t6,
 }
-PROFILABLE = {"t1", "t2", "t5", "t6"}
+PROFILABLE = {"t1", "t2", "t5", "t5s", "t6"}
 
 
 def precompile() -> None:

@@ -62,7 +62,7 @@ def test_dry_run_counts_estimates_and_leaves_nothing_behind(tmp_path: Path, serv
     assert [r["line"] for r in data["rejections"]] == [21, 22, 23, 24]
     reasons = [r["reason"] for r in data["rejections"]]
     assert reasons[0].startswith("not valid JSON")
-    assert reasons[1] == "template field 'text' is missing from the record"
+    assert reasons[1] == "template field 'text' is missing from the record (it has 'id')"
     assert reasons[2] == "custom_id 'r03' appears twice"
     assert reasons[3] == "blank line"
     assert data["tokens"] == {"prompt": 20 * 25, "prompt_counted_requests": 0, "max_output": 20 * 50}

@@ -17,14 +17,15 @@ from .conftest import run_cli, start_cli
 CONCURRENCY = 16
 
 
-def write_batch_input(path: Path, n: int) -> None:
+def write_batch_input(path: Path, n: int, pad: str = "") -> None:
+    """``n`` OpenAI Batch lines ``rec-<i>`` asking ``record <i>`` (then ``pad``, to make the lines long)."""
     with open(path, "wb") as f:
         for i in range(n):
             line = {
                 "custom_id": f"rec-{i}",
                 "method": "POST",
                 "url": "/v1/chat/completions",
-                "body": {"model": "m", "messages": [{"role": "user", "content": f"record {i}"}]},
+                "body": {"model": "m", "messages": [{"role": "user", "content": f"record {i}{pad}"}]},
             }
             f.write(orjson.dumps(line) + b"\n")
 

@@ -116,8 +116,9 @@ def test_no_run_stores_the_job_and_has_every_key_with_nulls(
 def test_a_signal_before_the_run_stops_it_with_every_key(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """A signal that came after the ingest (noted as the command's handlers note it): nothing is sent,
-    the job as it is, exit 75 and the command to carry on."""
+    """A signal that came once the job was stored (noted as the command's handlers note it): nothing is
+    sent, the job as it is (its input is read beside the run, which never started), exit 75 and the
+    command to carry on, which reads the input and works it."""
     def signalled(prepared: PreparedJob) -> None:
         interrupt.note(signal.SIGTERM)
 
@@ -125,12 +126,14 @@ def test_a_signal_before_the_run_stops_it_with_every_key(
                     handle_signals=True, on_prepared=signalled)
     data = result.to_json()
     assert list(data) == JSON_KEYS
-    assert data["counts"][ItemState.PENDING] == 6 and data["total"] == 6
+    assert data["total"] == 0 and not ledger.get_job(result.job_id).ingest_done
     assert data["exit_code"] == ExitCode.TEMPFAIL and data["stop_reason"] == StopReason.SIGNAL
     assert data["output"] is None and data["errors_file"] is None
     assert isinstance(result.error, StoppedError)
     assert result.error.message == f"stopped by SIGTERM before the run started; carry on with: batchrun resume {result.job_id}"
     assert len(server.log) == 0 and not result.ran
+    resumed = resume(ledger, result.job_id, options=FAST)
+    assert resumed.exit_code == ExitCode.OK and resumed.counts[ItemState.SUCCEEDED] == 6
 
 
 def test_a_signal_before_the_job_is_stored_raises(ledger: Ledger, server: FakeProviderServer,
