@@ -129,9 +129,12 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
     return data, dists, totals
 
 
+RUN_SILENT_S = 30.0  # a run not heard of for this long is shown as dead
+
+
 def _run_state(run: RunRow, now: float, stale_after: float) -> str:
-    """``ended``, ``dead`` (its process is gone from this host, or its heartbeat is older than the
-    job's lock staleness) or ``live``."""
+    """``ended``, ``dead`` (its process is gone from this host, or its heartbeat is older than
+    ``stale_after``) or ``live``."""
     from batchrun.ledger.store import _pid_alive
 
     if run.ended_at is not None:
@@ -147,7 +150,9 @@ def run_status(queries: LedgerQueries, job: JobRecord) -> dict[str, Any] | None:
     runs, now = queries.job_runs(job.id)
     if not runs:
         return None
-    states = [_run_state(run, now, job.spec.run.lock_stale_seconds) for run in runs]
+    # A run beats at least every 10 s: three missed beats say it is gone (the lock's own staleness,
+    # lease/2, may be half an hour; it decides takeovers, not what status shows).
+    states = [_run_state(run, now, min(job.spec.run.lock_stale_seconds, RUN_SILENT_S)) for run in runs]
     last, state = runs[0], states[0]
     return {
         "live": "live" in states,

@@ -485,6 +485,8 @@ class Ledger:
         with self._write() as conn:
             if run_id is not None:
                 self._renew_lock(conn, job_id, run_id)
+                # An ingest's batches are its heartbeat: status sees the run at work while it reads.
+                conn.execute(update(runs_t).where(runs_t.c.id == run_id).values(heartbeat_at=self._db_now()))
             if self._insert_values(conn, values):
                 return []  # nothing was a duplicate: no need to read the batch back
             stored = set(
