@@ -236,8 +236,10 @@ def _show_prepared(input_path: str) -> Callable[[PreparedJob], None]:
     return show
 
 
-def _show_result(result: SubmitResult, *, as_json: bool) -> None:
-    """How a submit or resume ended, then its exit code."""
+def _show_result(result: SubmitResult, *, as_json: bool, ledger_url: str) -> None:
+    """How a submit or resume ended, then its exit code; a hint to carry on names the ledger."""
+    from batchrun.hints import command
+
     exported = result.export
     if as_json:
         click.echo(orjson.dumps(result.to_json()).decode())
@@ -255,11 +257,12 @@ def _show_result(result: SubmitResult, *, as_json: bool) -> None:
     if result.error is not None:
         _fail(result.error)
     if result.exit_code == ExitCode.TEMPFAIL:
-        click.echo(f"batchrun: job {result.job_id} has work left; carry on with: batchrun resume {result.job_id}", err=True)
+        click.echo(f"batchrun: job {result.job_id} has work left; carry on with: "
+                   f"{command(ledger_url, 'resume', result.job_id)}", err=True)
     if result.exit_code == ExitCode.BUDGET:
         click.echo(
             f"batchrun: job {result.job_id} has work left; carry on with a larger total budget: "
-            f"batchrun resume {result.job_id} --budget-usd AMOUNT",
+            f"{command(ledger_url, 'resume', result.job_id, '--budget-usd', 'AMOUNT')}",
             err=True,
         )
     sys.exit(result.exit_code)
@@ -271,8 +274,10 @@ def _show_result(result: SubmitResult, *, as_json: bool) -> None:
               help="Input file: JSONL, or .csv / .parquet (a row a record); - for standard input.")
 @click.option("--input-format", type=click.Choice(INPUT_FORMATS), default=None,
               help="What --input - holds (default jsonl); a file's format is its suffix.")
-@click.option("--output", default=None, type=click.Path(dir_okay=False), help="Export here when the job finishes.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="results", show_default=True)
+@click.option("--output", default=None, type=click.Path(dir_okay=False),
+              help="Export here when the job finishes; the job remembers it (with --format and --errors), "
+              "so a later `batchrun resume JOB` writes the same file.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None, help="Format of --output (default: results).")
 @click.option("--errors", default=None, type=click.Path(dir_okay=False), help="Also write failed/invalid/rejected items here.")
 @click.option("--force", is_flag=True, help="Replace an output file that is not this job's own export.")
 @click.option("--new", is_flag=True, help="Always create a new job, even if this spec and input were submitted before.")
@@ -288,7 +293,7 @@ def _show_result(result: SubmitResult, *, as_json: bool) -> None:
 @override_options
 @mode_options
 @handle_errors
-def submit(spec: str | None, input_path: str, output: str | None, fmt: str, errors: str | None, force: bool,
+def submit(spec: str | None, input_path: str, output: str | None, fmt: str | None, errors: str | None, force: bool,
            new: bool, strict: bool, as_json: bool, dry_run: bool, no_run: bool, db: str | None, quiet: bool, transport: str,
            wait: bool | None, **kw: Any) -> None:
     """Submit INPUT under job SPEC and work it to the end.
@@ -335,7 +340,7 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
             handle_signals=True, on_prepared=None if as_json else _show_prepared(input_path),
             on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
         )
-    _show_result(result, as_json=as_json)
+    _show_result(result, as_json=as_json, ledger_url=ledger.url)
 
 
 def _input_file(input_path: str, input_format: str | None, db: str | None) -> str:
@@ -407,21 +412,29 @@ def _show_dry_run(report: DryRun, *, as_json: bool) -> None:
 
 @main.command()
 @click.argument("job", type=int)
-@click.option("--output", default=None, type=click.Path(dir_okay=False), help="Export here when the job finishes.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="results", show_default=True)
-@click.option("--errors", default=None, type=click.Path(dir_okay=False), help="Also write failed/invalid/rejected items here.")
+@click.option("--output", default=None, type=click.Path(dir_okay=False),
+              help="Export here when the job finishes. Default: where the job was last told to export "
+              "(submit or resume --output), with its --format and --errors.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="Format of the output (default: the remembered one, else results).")
+@click.option("--errors", default=None, type=click.Path(dir_okay=False),
+              help="Also write failed/invalid/rejected items here (default: the remembered errors file).")
 @click.option("--force", is_flag=True, help="Replace an output file that is not this job's own export.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
 @db_option
 @override_options
 @mode_options
 @handle_errors
-def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bool, as_json: bool,
+def resume(job: int, output: str | None, fmt: str | None, errors: str | None, force: bool, as_json: bool,
            db: str | None, quiet: bool, transport: str, wait: bool | None, **kw: Any) -> None:
     """Carry on JOB: pending items and those a dead run left running. Finished items are never sent again.
 
+    When the job finishes it is exported where it was last told to (submit or
+    resume --output, with that --format and --errors); an explicit --output wins.
+
     \b
     Examples:
+      batchrun resume 3
       batchrun resume 3 --output results.jsonl
       batchrun resume 3 --budget-usd 20     # after exit 4: the job's new total budget
     """
@@ -436,7 +449,7 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
             batch=_batch_options("resume", wait, quiet or as_json),
             on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
         )
-    _show_result(result, as_json=as_json)
+    _show_result(result, as_json=as_json, ledger_url=ledger.url)
 
 
 def _latest_job(ledger: Ledger) -> int:
@@ -659,10 +672,12 @@ def retry(job: int, states: str, where: str | None, max_tokens: int | None, db: 
     bad = [s for s in chosen if s not in USER_RETRYABLE_STATES]
     if bad:
         raise UsageError(f"--state {bad[0]!r}: only {', '.join(USER_RETRYABLE_STATES)} can be retried")
+    from batchrun.hints import command
+
     with _open(db) as ledger:
         ledger.get_job(job)
         n = ledger.retry(job, chosen, _parse_where(where), max_tokens=max_tokens)
-    click.echo(f"{n} items of job {job} back to pending; run: batchrun resume {job}")
+    click.echo(f"{n} items of job {job} back to pending; run: {command(ledger.url, 'resume', job)}")
 
 
 @main.command()
@@ -762,6 +777,7 @@ def cancel(job: int, db: str | None) -> None:
     what they finished is kept (the next `batchrun resume JOB` collects it), the rest
     becomes cancelled.
     """
+    from batchrun.hints import command
     from batchrun.ledger.shards import ShardLedger
 
     with _open(db) as ledger:
@@ -778,7 +794,7 @@ def cancel(job: int, db: str | None) -> None:
     if shards.shards:
         click.echo(
             f"batchrun: {shards.shards} provider batches ({shards.items} items) cancelled at the provider; what they "
-            f"finished is kept: collect it with `batchrun resume {job}`", err=True,
+            f"finished is kept: collect it with `{command(ledger.url, 'resume', job)}`", err=True,
         )
     for problem in shards.problems:
         click.echo(f"batchrun: could not cancel {problem}; the next run cancels it", err=True)
@@ -906,6 +922,7 @@ def demo(example: str, mode: str, db: str | None) -> None:
     (a batch ends in seconds; a 5xx on create after creating, busy polls).
     """
     from batchrun.demo import demo_server, prepare_demo
+    from batchrun.hints import command
     from batchrun.scheduler import RunOptions
     from batchrun.submission import resume as resume_job
 
@@ -920,7 +937,7 @@ def demo(example: str, mode: str, db: str | None) -> None:
         if result.export:
             click.echo(f"output: {result.export.path} ({result.export.lines} lines)")
         click.echo(" ".join(f"{k}={v}" for k, v in result.counts.items() if v))
-        click.echo(f"next: batchrun status {job_id}" + ("" if db is None else f" --db {db}"), err=True)
+        click.echo(f"next: {command(ledger.url, 'status', job_id)}", err=True)
     sys.exit(result.exit_code)
 
 

@@ -32,6 +32,7 @@ import orjson
 
 from batchrun import interrupt
 from batchrun.errors import ExportError, ExportWriteError, StoppedError
+from batchrun.hints import command
 from batchrun.ledger import ItemRow, Ledger, LedgerQueries
 from batchrun.provider_registry import BATCH_FORMATS, kinds_of_format, provider_entry
 from batchrun.providers.batch_formats import RESULTS_LINES
@@ -361,7 +362,8 @@ def export_job(
             return _export(ledger, job_id, output, fmt=fmt, errors=errors, force=force, should_stop=stop_requested)
         except StoppedError as exc:
             target = STREAM_NAME if _is_stream(output) else Path(output).absolute()  # type: ignore[arg-type]
-            again = export_command(job_id, target, fmt, Path(errors).absolute() if errors else None)
+            again = export_command(job_id, target, fmt, Path(errors).absolute() if errors else None,
+                                   ledger_url=ledger.url)
             raise StoppedError(f"{interrupt.received() or 'signal'}: {exc.message}; write it with: {again}") from exc
 
 
@@ -372,11 +374,15 @@ def check_format(fmt: str) -> None:
 
 
 def export_command(
-    job_id: int, output: str | os.PathLike[str], fmt: str = "results", errors: str | os.PathLike[str] | None = None
+    job_id: int, output: str | os.PathLike[str], fmt: str = "results", errors: str | os.PathLike[str] | None = None,
+    *, ledger_url: str = "",
 ) -> str:
-    """The ``batchrun export`` command that writes this export (what a stopped export says to run)."""
-    return (f"batchrun export {job_id} --output {output}" + (f" --format {fmt}" if fmt != "results" else "")
-            + (f" --errors {errors}" if errors else ""))
+    """The ``batchrun export`` command that writes this export (what a stopped export says to run), with
+    ``--db`` when ``ledger_url`` is not the default ledger's."""
+    args: list[object] = ["export", job_id, "--output", output]
+    args += ["--format", fmt] if fmt != "results" else []
+    args += ["--errors", errors] if errors else []
+    return command(ledger_url, *args) if ledger_url else " ".join(["batchrun", *map(str, args)])
 
 
 def _is_stream(output: object) -> bool:
@@ -448,7 +454,7 @@ def _export(
         except OSError as exc:
             raise ExportWriteError(
                 f"{target}: cannot write: {exc.strerror or exc}; the results are safe in the ledger: "
-                f"write them elsewhere with: batchrun export {job_id} --output OTHER"
+                f"write them elsewhere with: {command(ledger.url, 'export', job_id, '--output', 'OTHER')}"
             ) from exc
         return rows.count
 

@@ -35,6 +35,7 @@ from batchrun.batch import BatchOptions, BatchRunner
 from batchrun.errors import BatchrunError, ExportWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
 from batchrun.export import ExportResult, check_format, check_target, export_command, export_job
+from batchrun.hints import command
 from batchrun.jobs import PreparedJob, RunSummary, finish_interrupted_ingest, prepare_job, run_job
 from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.providers.http import Sender
@@ -96,10 +97,10 @@ class SubmitResult:
 
 @dataclass(frozen=True)
 class _Target:
-    """Where a finished job is exported (nowhere without ``output``)."""
+    """Where a finished job is exported (nowhere without ``output``); ``fmt`` None: not said (results)."""
 
     output: PathArg | None
-    fmt: str
+    fmt: str | None
     errors: PathArg | None
     force: bool
 
@@ -108,13 +109,29 @@ class _Target:
             raise UsageError("--output -: a submit or resume writes its output to a file; "
                              "for standard output, run: batchrun export JOB --output -")
 
-    def check(self, ledger: Ledger, job_id: int) -> None:
-        """Refuse an unknown format and output files we may not replace, before anything is sent."""
-        if self.output:
-            check_format(self.fmt)
-        for target in (self.output, self.errors):
-            if target:
-                check_target(ledger, job_id, Path(target).absolute(), force=self.force)
+    @property
+    def format(self) -> str:
+        return self.fmt or "results"
+
+    def for_job(self, ledger: Ledger, job_id: int) -> _Target:
+        """This target checked for the job and remembered by it; without ``output``, the one the job
+        remembers (its format and errors file unless given now). Refuses an unknown format and output
+        files we may not replace, before anything is sent."""
+        target = self
+        if self.output is None:
+            remembered = ledger.export_target(job_id)
+            if remembered is not None:
+                output, fmt, remembered_errors = remembered
+                target = _Target(output, self.fmt or fmt, self.errors or remembered_errors, self.force)
+        if target.output:
+            check_format(target.format)
+        for path in (target.output, target.errors):
+            if path:
+                check_target(ledger, job_id, Path(path).absolute(), force=target.force)
+        if self.output is not None:
+            errors = str(Path(self.errors).absolute()) if self.errors else None
+            ledger.set_export_target(job_id, str(Path(self.output).absolute()), self.format, errors)
+        return target
 
 
 def submit(
@@ -123,7 +140,7 @@ def submit(
     input_path: InputArg,
     *,
     output: PathArg | None = None,
-    fmt: str = "results",
+    fmt: str | None = None,
     errors: PathArg | None = None,
     force: bool = False,
     schema: type | Mapping[str, Any] | None = None,
@@ -154,7 +171,7 @@ def submit(
     path = input_file(ledger, input_path)
     with _holding(handle_signals) as should_stop:
         prepared = prepare_job(ledger, spec, path, new=new, strict=strict, should_stop=should_stop)
-    target.check(ledger, prepared.job_id)
+    target = target.for_job(ledger, prepared.job_id)
     if on_prepared:
         on_prepared(prepared)
     if not run:
@@ -171,7 +188,7 @@ def resume(
     job_id: int,
     *,
     output: PathArg | None = None,
-    fmt: str = "results",
+    fmt: str | None = None,
     errors: PathArg | None = None,
     force: bool = False,
     overrides: Overrides | None = None,
@@ -188,9 +205,9 @@ def resume(
     """
     target = _Target(output, fmt, errors, force)
     if handle_signals:
-        interrupt.stop_point(f"before the run started; carry on with: batchrun resume {job_id}")
+        interrupt.stop_point(f"before the run started; carry on with: {command(ledger.url, 'resume', job_id)}")
     ledger.get_job(job_id)
-    target.check(ledger, job_id)
+    target = target.for_job(ledger, job_id)
     with _holding(handle_signals) as should_stop:
         finish_interrupted_ingest(ledger, job_id, should_stop)
     return _run_and_export(
@@ -206,7 +223,7 @@ async def submit_async(
     input_path: InputArg,
     *,
     output: PathArg | None = None,
-    fmt: str = "results",
+    fmt: str | None = None,
     errors: PathArg | None = None,
     force: bool = False,
     schema: type | Mapping[str, Any] | None = None,
@@ -225,7 +242,7 @@ async def submit_async(
     spec = spec.with_output_schema(schema) if schema is not None else spec
     path = await asyncio.to_thread(input_file, ledger, input_path)
     prepared = await asyncio.to_thread(prepare_job, ledger, spec, path, new=new, strict=strict)
-    await asyncio.to_thread(target.check, ledger, prepared.job_id)
+    target = await asyncio.to_thread(target.for_job, ledger, prepared.job_id)
     if on_prepared:
         on_prepared(prepared)
     if not run:
@@ -240,7 +257,7 @@ async def resume_async(
     job_id: int,
     *,
     output: PathArg | None = None,
-    fmt: str = "results",
+    fmt: str | None = None,
     errors: PathArg | None = None,
     force: bool = False,
     overrides: Overrides | None = None,
@@ -252,7 +269,7 @@ async def resume_async(
     """:func:`resume` on the running loop: the ingest and the export run in a thread; no signal handlers."""
     target = _Target(output, fmt, errors, force)
     await asyncio.to_thread(ledger.get_job, job_id)
-    await asyncio.to_thread(target.check, ledger, job_id)
+    target = await asyncio.to_thread(target.for_job, ledger, job_id)
     await asyncio.to_thread(finish_interrupted_ingest, ledger, job_id)
     summary = await _work(ledger, job_id, overrides, options or RunOptions(command="resume"), sender,
                           batch, on_start, handle_signals=False)
@@ -297,7 +314,8 @@ def _run_and_export(
         stored = _as_stored(ledger, job_id, prepared)
         return dataclasses.replace(
             stored, exit_code=ExitCode.TEMPFAIL, stop_reason=StopReason.SIGNAL,
-            error=StoppedError(f"stopped by {name} before the run started; carry on with: batchrun resume {job_id}"),
+            error=StoppedError(f"stopped by {name} before the run started; "
+                               f"carry on with: {command(ledger.url, 'resume', job_id)}"),
         )
     summary = run_sync(_work(ledger, job_id, overrides, options, sender, batch, on_start,
                              handle_signals=handle_signals))
@@ -355,10 +373,10 @@ def _finish(
     job_id, output = summary.job_id, target.output
     if output and summary.exit_code in (ExitCode.OK, ExitCode.SOME_FAILED):
         try:
-            exported = export_job(ledger, job_id, output, fmt=target.fmt, errors=target.errors, force=target.force,
+            exported = export_job(ledger, job_id, output, fmt=target.format, errors=target.errors, force=target.force,
                                   should_stop=should_stop)
         except StoppedError as exc:
-            again = export_command(job_id, output, target.fmt, target.errors)
+            again = export_command(job_id, output, target.format, target.errors, ledger_url=ledger.url)
             error = StoppedError(f"{interrupt.received() or 'signal'}: {exc.message}; job {job_id} is finished; "
                                  f"write the output with: {again}")
         except ExportWriteError as exc:

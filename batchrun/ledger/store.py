@@ -29,6 +29,7 @@ from sqlalchemy import (
     Engine,
     Float,
     bindparam,
+    delete,
     exists,
     extract,
     func,
@@ -45,6 +46,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerBusyError, LockLostError
+from batchrun.hints import command
 from batchrun.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE_OPTION, open_engine
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import exports as exports_t
@@ -61,6 +63,10 @@ from batchrun.states import OPEN_SHARD_STATES, ItemState, no_counts
 
 # What `batchrun retry --where` may narrow the items to send again by.
 RETRY_FILTERS = ("error_class", "status_code", "custom_id")
+# An ``exports`` row with this hash is not a file written but where the job is to be written
+# (Ledger.set_export_target); ERRORS_TARGET is the format of its errors file's row.
+TARGET_SHA = ""
+ERRORS_TARGET = "errors"
 
 
 @dataclass(frozen=True)
@@ -251,12 +257,13 @@ def _bind(outcome: Outcome) -> dict[str, Any]:
     return params
 
 
-def job_locked(job_id: int, holder: LockHolder) -> JobLockedError:
-    """The job is another live run's: whose, since when."""
+def job_locked(job_id: int, holder: LockHolder, ledger_url: str | None = None) -> JobLockedError:
+    """The job is another live run's: whose, since when; and (knowing the ledger) the command to try again."""
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.since))
+    again = f": {command(ledger_url, 'resume', job_id)}" if ledger_url else ""
     return JobLockedError(
         f"job {job_id} is being worked by run {holder.run_id} "
-        f"(pid {holder.pid} on {holder.host}, since {since}); try again later"
+        f"(pid {holder.pid} on {holder.host}, since {since}); try again later{again}"
     )
 
 
@@ -609,7 +616,7 @@ class Ledger:
                     dead = holder.host == host and not _pid_alive(holder.pid)
                     stale = now - holder.heartbeat > stale_after
                     if not (dead or stale):
-                        raise job_locked(job_id, holder)
+                        raise job_locked(job_id, holder, self.url)
                 conn.execute(
                     update(jobs_t)
                     .where(jobs_t.c.id == job_id)
@@ -1018,6 +1025,34 @@ class Ledger:
                     job_id=job_id, path=path, format=fmt, sha256=sha256, lines=lines, created_at=time.time()
                 )
             )
+
+    def set_export_target(self, job_id: int, path: str, fmt: str, errors: str | None) -> None:
+        """Remember where the job is to be exported (``submit`` / ``resume --output``), so a later
+        ``resume JOB`` writes the same files. Kept in ``exports`` as rows with no content hash
+        (:data:`TARGET_SHA`: never a file's hash); the newest such row is the target."""
+        now = time.time()
+        rows = [dict(job_id=job_id, path=path, format=fmt, sha256=TARGET_SHA, lines=0, created_at=now)]
+        if errors:
+            rows.append(dict(job_id=job_id, path=errors, format=ERRORS_TARGET, sha256=TARGET_SHA, lines=0, created_at=now))
+        with self._write() as conn:
+            conn.execute(
+                delete(exports_t).where(exports_t.c.job_id == job_id, exports_t.c.sha256 == TARGET_SHA)
+            )
+            conn.execute(insert(exports_t), rows)
+
+    def export_target(self, job_id: int) -> tuple[str, str, str | None] | None:
+        """Where the job is to be exported: (output, format, errors file or None); None if never said."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(exports_t.c.path, exports_t.c.format)
+                .where(exports_t.c.job_id == job_id, exports_t.c.sha256 == TARGET_SHA)
+                .order_by(exports_t.c.id)
+            ).all()
+        output = next(((path, fmt) for path, fmt in rows if fmt != ERRORS_TARGET), None)
+        if output is None:
+            return None
+        errors = next((path for path, fmt in rows if fmt == ERRORS_TARGET), None)
+        return output[0], output[1], errors
 
     def is_export_of(self, job_id: int, sha256: str) -> bool:
         """Whether a file with this content is one of this job's own exports."""

@@ -129,7 +129,8 @@ def test_a_signal_before_the_run_stops_it_with_every_key(
     assert data["exit_code"] == ExitCode.TEMPFAIL and data["stop_reason"] == StopReason.SIGNAL
     assert data["output"] is None and data["errors_file"] is None
     assert isinstance(result.error, StoppedError)
-    assert result.error.message == f"stopped by SIGTERM before the run started; carry on with: batchrun resume {result.job_id}"
+    assert result.error.message == (f"stopped by SIGTERM before the run started; carry on with: "
+                                    f"batchrun resume {result.job_id} --db {ledger.url.removeprefix('sqlite:///')}")
     assert len(server.log) == 0 and not result.ran
 
 
