@@ -94,8 +94,10 @@ def override_options(fn: F) -> F:
             click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Max attempts per item."),
             click.option("--timeout", type=click.FloatRange(min=0.001), default=None, help="Total seconds per attempt."),
             click.option("--rpm", type=click.FloatRange(min=0), default=None, help="Requests per minute for the job (0: no limit)."),
-            click.option("--max-runtime", type=Duration(), default=None,
-                         help="Stop cleanly after this long (e.g. 30m, 2h): exit 75 with work left, resume later."),
+            click.option("--max-runtime", type=Duration(allow_zero=True), default=None,
+                         help="Stop cleanly after this long (e.g. 30m, 2h): exit 75 with work left, resume later. "
+                         "For this run only (never stored with the job); 0: no limit, even over the spec's "
+                         "[run] max_runtime."),
             click.option("--tpm", type=click.FloatRange(min=0), default=None, help="Tokens per minute for the job (0: no limit)."),
             click.option("--budget-usd", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
                          help="The job's total spend cap in USD (overrides [run] budget_usd). Each request "
@@ -145,15 +147,18 @@ def _overrides(kw: dict[str, Any]) -> Overrides:
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]
-    """``90``, ``90s``, ``30m``, ``1h30m``: seconds."""
+    """``90``, ``90s``, ``30m``, ``1h30m``: seconds (``0``/``0s`` too, with ``allow_zero``)."""
 
     name = "duration"
+
+    def __init__(self, *, allow_zero: bool = False) -> None:
+        self.allow_zero = allow_zero
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         from batchrun.ratelimit import parse_reset
 
         seconds = parse_reset(str(value).strip())
-        if seconds is None or seconds <= 0:
+        if seconds is None or seconds < 0 or (seconds == 0 and not self.allow_zero):
             self.fail(f"{value!r} is not a duration (e.g. 90s, 30m, 2h, 1h30m)", param, ctx)
         return seconds
 
@@ -323,7 +328,10 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str | Non
     from batchrun.submission import submit as submit_job
 
     overrides = _overrides(kw)
-    job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
+    # The job keeps its spec as written (and the run-time overrides that shape it); --max-runtime is
+    # this invocation's only: a later resume must not stop after the same time.
+    stored = overrides.without("max_runtime")
+    job_spec = load_spec(spec, stored) if spec else spec_for_batch_input(stored)
     input_path = _input_file(input_path, kw.get("input_format"), db)
     if dry_run:
         from batchrun.jobs import dry_run as estimate
