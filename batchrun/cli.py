@@ -307,7 +307,9 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str | Non
     (nothing finished is sent again); --new forces a new job. Without a SPEC,
     the input must be batch lines of one provider (OpenAI Batch API lines by
     default; Anthropic Message Batches lines with --provider anthropic) and
-    --base-url is required.
+    --base-url is required. The API key variable the spec names ([provider]
+    api_key_env) must be set, else exit 2 before anything is stored or sent
+    (api_key_env = "": a server that needs no key).
 
     An item whose request (same API, URL and body) already succeeded in any
     job of the ledger is not sent: the response cache reuses its answer at no
@@ -345,7 +347,7 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str | Non
             ledger, job_spec, input_path, output=output, fmt=fmt, errors=errors, force=force, new=new, strict=strict,
             run=not no_run, overrides=overrides, options=RunOptions(command="submit", transport=transport),
             batch=_batch_options("submit", wait, quiet or as_json),
-            handle_signals=True, on_prepared=None if as_json else _show_prepared(input_path),
+            handle_signals=True, require_key=True, on_prepared=None if as_json else _show_prepared(input_path),
             on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
         )
     _show_result(result, as_json=as_json, ledger_url=ledger.url)
@@ -453,7 +455,7 @@ def resume(job: int, output: str | None, fmt: str | None, errors: str | None, fo
     with _open(db) as ledger:
         result = resume_job(
             ledger, job, output=output, fmt=fmt, errors=errors, force=force, overrides=_overrides(kw),
-            options=RunOptions(command="resume", transport=transport), handle_signals=True,
+            options=RunOptions(command="resume", transport=transport), handle_signals=True, require_key=True,
             batch=_batch_options("resume", wait, quiet or as_json),
             on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
         )
@@ -829,7 +831,8 @@ def check(spec: str | None, input_path: str, line: int, as_json: bool, **kw: Any
     the answer checked against the spec's schema. The API key never appears.
 
     Exit 0 when the request succeeded and the answer is valid, 1 when it
-    failed or the answer is invalid, 2 for a bad spec or input line, 3 when
+    failed or the answer is invalid, 2 for a bad spec or input line or an API
+    key variable that is not set (api_key_env = "" in the spec: no key), 3 when
     the key was refused. Without a SPEC, the line must be a provider's batch
     line (as for submit) and --base-url is required.
 
@@ -839,9 +842,13 @@ def check(spec: str | None, input_path: str, line: int, as_json: bool, **kw: Any
       batchrun check --input batch.jsonl --base-url https://api.openai.com/v1 --model gpt-4o-mini
     """
     from batchrun.check import check_spec, render_check
+    from batchrun.providers import missing_api_key
 
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
+    missing = missing_api_key(job_spec)
+    if missing is not None:
+        raise missing
     result = run_sync(check_spec(job_spec, input_path=input_path, line=line))
     click.echo(orjson.dumps(result.to_dict()).decode() if as_json else render_check(result))
     sys.exit(result.exit_code)
@@ -893,7 +900,7 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
     max_runtime = kw.pop("max_runtime") or 0.0
     options = WorkerOptions(
         concurrency=concurrency, poll_interval=poll, exit_when_idle=exit_when_idle, max_runtime=max_runtime,
-        lease_seconds=lease, ledger_retry_seconds=db_retry, transport=transport,
+        lease_seconds=lease, ledger_retry_seconds=db_retry, transport=transport, require_key=True,
     )
 
     def started(runner: Worker) -> None:

@@ -38,6 +38,7 @@ from batchrun.export import ExportResult, check_format, check_target, export_com
 from batchrun.hints import command
 from batchrun.jobs import PreparedJob, RunSummary, finish_interrupted_ingest, prepare_job, run_job
 from batchrun.ledger import Ledger, LedgerQueries
+from batchrun.providers import missing_api_key
 from batchrun.providers.http import Sender
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import JobSpec, Overrides
@@ -152,6 +153,7 @@ def submit(
     sender: Sender | None = None,
     batch: BatchOptions | None = None,
     handle_signals: bool = False,
+    require_key: bool = False,
     on_prepared: OnPrepared | None = None,
     on_start: OnStart | None = None,
 ) -> SubmitResult:
@@ -162,10 +164,14 @@ def submit(
     The same spec and input content find the existing job and carry it on (``new``:
     always a new job); ``strict`` refuses the whole input if a line is bad.
     ``overrides`` are the run-time settings that win over the stored spec.
-    ``on_prepared`` gets the job once it is stored, before the run.
+    ``on_prepared`` gets the job once it is stored, before the run. With ``require_key`` (the
+    command line), a run whose API key variable is not set is refused (SpecError, exit 2) before
+    the job is stored.
     """
     target = _Target(output, fmt, errors, force)
     spec = spec.with_output_schema(schema) if schema is not None else spec
+    if require_key and run:
+        _require_key(spec)
     if handle_signals:
         interrupt.stop_point("before the job was stored (nothing was sent); run the same command again to carry on")
     path = input_file(ledger, input_path)
@@ -196,17 +202,21 @@ def resume(
     sender: Sender | None = None,
     batch: BatchOptions | None = None,
     handle_signals: bool = False,
+    require_key: bool = False,
     on_start: OnStart | None = None,
 ) -> SubmitResult:
     """Carry on job ``job_id``: finish an ingest a crash interrupted, work what is left, export to ``output``.
 
     Finished items are never sent again; pending ones and those a dead run left
-    running are. JobNotFoundError for an unknown job.
+    running are. JobNotFoundError for an unknown job; with ``require_key``, SpecError
+    (exit 2) before anything is sent when the job's API key variable is not set.
     """
     target = _Target(output, fmt, errors, force)
     if handle_signals:
         interrupt.stop_point(f"before the run started; carry on with: {command(ledger.url, 'resume', job_id)}")
-    ledger.get_job(job_id)
+    job = ledger.get_job(job_id)
+    if require_key:
+        _require_key(job.spec, job_id)
     target = target.for_job(ledger, job_id)
     with _holding(handle_signals) as should_stop:
         finish_interrupted_ingest(ledger, job_id, should_stop)
@@ -283,6 +293,12 @@ def input_file(ledger: Ledger, input_path: InputArg) -> PathArg:
     from batchrun.spool import spool_dir, spool_records
 
     return spool_records(spool_dir(ledger.url), input_path)
+
+
+def _require_key(spec: JobSpec, job_id: int | None = None) -> None:
+    missing = missing_api_key(spec, job_id=job_id)
+    if missing is not None:
+        raise missing
 
 
 def _holding(handle_signals: bool) -> contextlib.AbstractContextManager[Callable[[], bool] | None]:

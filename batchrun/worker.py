@@ -55,7 +55,7 @@ from batchrun.ledger import (
     is_database_error,
     resolve_db_url,
 )
-from batchrun.providers import provider_for
+from batchrun.providers import missing_api_key, provider_for
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides
 from batchrun.states import ExitCode, StopReason, exit_code_for
@@ -77,6 +77,7 @@ class WorkerOptions:
     ledger_retry_seconds: float = LEDGER_RETRY_SECONDS
     job_backoff_seconds: float = 300.0
     transport: str = "aiohttp"
+    require_key: bool = False  # a job whose API key variable is not set is backed off, naming it (the command)
 
 
 @dataclass
@@ -264,6 +265,9 @@ class Worker:
                     spec.run, max_runtime=0.0, concurrency=min(spec.run.concurrency, self.options.concurrency)
                 ),
             )
+            missing = missing_api_key(spec, job_id=job_id) if self.options.require_key else None
+            if missing is not None:
+                raise missing
             provider = provider_for(spec)
         except BatchrunError as exc:
             self._back_off(job_id, exc.message)

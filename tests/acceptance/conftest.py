@@ -22,6 +22,7 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     env["HOME"] = str(tmp_path / "home")  # the default ledger location lands here, never in the real home
     env.pop("XDG_DATA_HOME", None)
     env["OPENAI_API_KEY"] = "sk-test-not-a-real-key"
+    env["ANTHROPIC_API_KEY"] = "sk-ant-test-not-a-real-key"
     return env
 
 
