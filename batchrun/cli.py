@@ -182,8 +182,9 @@ def main(verbose: int) -> None:
       batchrun resume 1            # after a crash, kill -9 or Ctrl-C
 
     Exit codes: 0 all succeeded, 1 some failed/invalid/rejected, 2 usage/spec/input
-    error (nothing sent), 3 authentication refused, 4 budget reached, 75 stopped
-    early with work left (resume later).
+    error (nothing sent), 3 authentication refused or every request refused the same
+    way (wrong model, path or parameter; items left pending), 4 budget reached, 75
+    stopped early with work left (resume later).
     """
     if not interrupt.held():
         interrupt.reset()  # in-process (tests): each invocation starts with no signal seen
@@ -263,6 +264,9 @@ def _show_result(result: SubmitResult, *, as_json: bool, ledger_url: str) -> Non
         _fail(result.error)
     if result.exit_code == ExitCode.TEMPFAIL:
         click.echo(f"batchrun: job {result.job_id} has work left; carry on with: "
+                   f"{command(ledger_url, 'resume', result.job_id)}", err=True)
+    if result.exit_code == ExitCode.AUTH:
+        click.echo(f"batchrun: job {result.job_id}'s items are pending; once that is fixed, carry on with: "
                    f"{command(ledger_url, 'resume', result.job_id)}", err=True)
     if result.exit_code == ExitCode.BUDGET:
         click.echo(

@@ -6,6 +6,13 @@
   ``OUTAGE_MAX_PAUSE_S``), stops charging attempts to the items, and past
   ``outage_seconds`` without a clean answer it stops (exit 75) with the items
   pending instead of failing them one by one.
+- **Refused.** Until its first answer, a run that sees the same client error
+  (404, or a 400/422 with the same message) for ``REFUSED_AFTER_ITEMS`` items is
+  sending something every request carries wrong (the model, the path, a
+  parameter): it stops (exit 3) with the items pending, instead of paying one
+  request per item to fail them all. Until it can tell, the refused items are
+  held (not failed); once an answer comes back (or the run runs out of work)
+  they fail as their own, so an item-specific 400 still costs one request.
 - **Hang.** A non-streamed answer sends nothing until it is complete, so a
   hang looks like a slow answer until the total timeout. Once the run knows
   ``HANG_MIN_SAMPLES`` clean latencies (its own, and the job's earlier ones from
@@ -16,18 +23,24 @@
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-from batchrun.errors import ProviderError, RetryableError
+from batchrun.errors import PermanentError, ProviderError, RetryableError
 from batchrun.spec import RunSpec
 
 OUTAGE_AFTER_FAILURES = 20  # failed attempts in a row, across items, that mean "the endpoint is down"
 OUTAGE_MAX_PAUSE_S = 30.0
+T = TypeVar("T")
+
 HANG_MIN_SAMPLES = 50
 HANG_ESTIMATE_EVERY = 50  # clean answers between two estimates of the attempt timeout
 LATENCIES_KEPT = 2000
+REFUSED_AFTER_ITEMS = 3  # different items refused the same way, before any answer: every request is wrong
+REFUSED_STATUSES = frozenset({400, 404, 422})
+REFUSED_HOLD_MAX = 32  # refused items held before any answer; past it the refusals are the items' own
 
 
 @dataclass(frozen=True)
@@ -92,3 +105,48 @@ class Health:
         ordered = sorted(self.latencies)
         p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
         self.attempt_timeout = min(run.timeout, max(run.hang_min_seconds, run.hang_factor * p99))
+
+
+
+class Refusals(Generic[T]):
+    """The "every request is refused the same way" watcher of one run (see the module docstring).
+
+    It holds the refused items (``T``: whatever the runner keeps per item) with their errors
+    until it can tell: :meth:`verdict` (the same refusal for ``items`` different items), or
+    :attr:`decided` (an answer came back, or too many different refusals: they are the items' own).
+    """
+
+    def __init__(self, items: int = REFUSED_AFTER_ITEMS, hold_max: int = REFUSED_HOLD_MAX) -> None:
+        self.items = items
+        self.hold_max = hold_max
+        self.decided = False
+        self._held: list[tuple[T, PermanentError]] = []
+        self._seen: Counter[tuple[int | None, str]] = Counter()
+
+    def hold(self, item: T, error: PermanentError) -> bool:
+        """Whether to hold ``item`` instead of failing it: a refusal that could be every request's."""
+        if self.decided or error.status_code not in REFUSED_STATUSES:
+            return False
+        if error.error_class != PermanentError.error_class:  # content_filter, truncated: the item's own answer
+            return False
+        self._held.append((item, error))
+        self._seen[(error.status_code, error.message)] += 1
+        if len(self._held) >= self.hold_max:
+            self.decided = True
+        return True
+
+    def verdict(self) -> str | None:
+        """The stop message once ``items`` items were refused the same way, else None."""
+        if self.decided or not self._seen:
+            return None
+        (status, message), n = self._seen.most_common(1)[0]
+        if n < self.items:
+            return None
+        return (f"the provider refused the first {n} requests the same way: {message}; every request carries "
+                "what it refuses (the model, the URL path or a parameter): nothing failed, the items stay "
+                "pending; fix the spec, or pass --model / --base-url to the resume")
+
+    def release(self) -> list[tuple[T, PermanentError]]:
+        """The held items and their errors, no longer held."""
+        held, self._held = self._held, []
+        return held

@@ -60,11 +60,12 @@ from batchrun.errors import (
     LedgerWriteError,
     LockLostError,
     OutputInvalidError,
+    PermanentError,
     ProviderError,
     RateLimitedError,
     RetryableError,
 )
-from batchrun.health import LATENCIES_KEPT, Health
+from batchrun.health import LATENCIES_KEPT, Health, Refusals
 from batchrun.ledger import (
     LEDGER_RETRY_SECONDS,
     AsyncLedger,
@@ -212,6 +213,7 @@ class JobRunner:
             ledger, ride_out_seconds=self.options.ledger_retry_seconds, thread_name="batchrun-bucket"
         )
         self.health = Health(spec.run)
+        self.refusals: Refusals[_ItemWork] = Refusals()
         budget_at = budget_price(spec)  # SpecError here, before anything is sent, if a budget has no price
         self.admission = Admission(
             AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency),
@@ -400,6 +402,8 @@ class JobRunner:
                     task.cancel()
                 if pending:
                     await asyncio.wait(pending)
+            # Refusals still held: out of work, they were the items' own; stopped, they are not judged.
+            self._settle_refused(failed=not self.stopping)
 
     def _look_up(self, claimed: list[ClaimedItem]) -> tuple[list[_ItemWork], list[tuple[_ItemWork, CachedAnswer]]]:
         """Key each claimed item by its first request; split off those already answered in the ledger.
@@ -471,6 +475,16 @@ class JobRunner:
         except BudgetExceededError as exc:
             self.request_stop(exc.stop_reason, exc.message)
             self._put_back(work)
+        except PermanentError as exc:
+            if not self.refusals.hold(work, exc):
+                self._finish(work, ItemState.FAILED, error=exc)
+                return
+            stop = self.refusals.verdict()
+            if stop is not None:
+                self.request_stop(StopReason.REFUSED, stop)
+                self._settle_refused(failed=False)
+            elif self.refusals.decided:
+                self._settle_refused(failed=True)
         except ProviderError as exc:
             self._finish(work, ItemState.FAILED, error=exc)
         except asyncio.CancelledError:
@@ -586,6 +600,9 @@ class JobRunner:
             return False
         work.counted += 1
         if error is None:
+            if not self.refusals.decided:  # the endpoint answers: the refusals so far were the items' own
+                self.refusals.decided = True
+                self._settle_refused(failed=True)
             self.health.note_latency(latency_s)
             self.admission.on_answer(reply.limits.remaining_requests if reply and reply.limits else None, latency_s)
         return True
@@ -655,6 +672,14 @@ class JobRunner:
         return self._sender
 
     # -- outcomes -----------------------------------------------------------
+
+    def _settle_refused(self, *, failed: bool) -> None:
+        """The items held by the refusal watcher: failed with their errors, or back to pending."""
+        for work, error in self.refusals.release():
+            if failed:
+                self._finish(work, ItemState.FAILED, error=error)
+            else:
+                self._put_back(work)
 
     def _put_back(self, work: _ItemWork) -> None:
         self.tenure.settle(work)

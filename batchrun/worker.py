@@ -305,7 +305,8 @@ class Worker:
         counts = await self._db.call(LedgerQueries(self.ledger.engine).counts, job_id)
         code = exit_code_for(counts, result.stop_reason, ingest_done=job.ingest_done)
         await self._db.call(self.ledger.end_run, job_id, result.run_id, code)
-        if result.stop_reason in (StopReason.AUTH, StopReason.OUTAGE, StopReason.ERROR, StopReason.BUDGET):
+        if result.stop_reason in (StopReason.AUTH, StopReason.REFUSED, StopReason.OUTAGE, StopReason.ERROR,
+                                  StopReason.BUDGET):
             self._back_off(job_id, result.stop_message or result.stop_reason or "")
 
     def _back_off(self, job_id: int, why: str) -> None:

@@ -12,6 +12,7 @@ from batchrun.health import (
     OUTAGE_MAX_PAUSE_S,
     Health,
     Outage,
+    Refusals,
 )
 from batchrun.spec import RunSpec
 
@@ -104,3 +105,26 @@ def test_a_hang_factor_of_zero_keeps_the_spec_timeout() -> None:
     for _ in range(5 * HANG_MIN_SAMPLES):
         health.note_latency(0.01)
     assert health.attempt_timeout == 30.0
+
+
+
+def test_the_same_refusal_for_three_items_before_any_answer_is_a_verdict() -> None:
+    refusals: Refusals[int] = Refusals(items=3)
+    wrong = PermanentError("HTTP 404: The model `x` does not exist", status_code=404)
+    for item in (1, 2):
+        assert refusals.hold(item, wrong) and refusals.verdict() is None
+    assert refusals.hold(3, wrong)
+    assert "The model `x` does not exist" in (refusals.verdict() or "")
+    assert [item for item, _ in refusals.release()] == [1, 2, 3] and refusals.release() == []
+
+
+def test_refusals_after_an_answer_of_another_kind_or_all_different_are_the_items_own() -> None:
+    refusals: Refusals[int] = Refusals(items=2, hold_max=4)
+    assert not refusals.hold(1, PermanentError("HTTP 413: too large", status_code=413))
+    assert not refusals.hold(1, PermanentError("HTTP 400: filtered", status_code=400, error_class="content_filter"))
+    different = [PermanentError(f"HTTP 400: item {i} is too long", status_code=400) for i in range(4)]
+    for i in range(3):
+        assert refusals.hold(i, different[i]) and refusals.verdict() is None and not refusals.decided
+    assert refusals.hold(3, different[3]) and refusals.decided  # as many as it holds, all different
+    assert refusals.verdict() is None
+    assert not refusals.hold(4, different[0])
