@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -163,14 +164,61 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
         return seconds
 
 
-def _open(db: str | None) -> Ledger:
+def _open(db: str | None, *, existing: bool = False) -> Ledger:
+    """The ledger; ``existing``: a command that needs a job refuses a SQLite file that does not exist
+    (instead of creating an empty ledger only to say the job is not there)."""
+    if existing:
+        from batchrun.ledger import resolve_db_url
+
+        url = resolve_db_url(db)
+        path = Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+        if path is not None and not path.exists():
+            raise UsageError(f"no ledger at {path}: the file does not exist (nothing was created); "
+                             "name the job's ledger with --db PATH or BATCHRUN_DB")
     return Ledger.open(db)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+_VERBOSITY = re.compile(r"-v+|--verbose|-q|--quiet")
+
+
+class BatchrunGroup(click.Group):
+    """The ``batchrun`` group: usage errors in our one-line style; ``-v``/``-q`` anywhere on the line."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # -v/-q after the subcommand are the group's (unless the subcommand has its own -q).
+        at = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+        if at is not None and args[at] in self.commands:
+            command = self.commands[args[at]]
+            own = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+            end = args.index("--") if "--" in args else len(args)
+            moved = [i for i in range(at + 1, end) if _VERBOSITY.fullmatch(args[i]) and args[i] not in own]
+            args = [args[i] for i in moved] + [a for i, a in enumerate(args) if i not in set(moved)]
+        return super().parse_args(ctx, args)
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "batchrun"
+            message = exc.format_message().rstrip(".")
+            click.echo(f"batchrun: error: {message[:1].lower() + message[1:]} (see: {where} --help)", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"batchrun: error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("batchrun: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=BatchrunGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug); also after the command.")
+@click.option("-q", "--quiet", "quiet_logs", is_flag=True,
+              help="Log errors only; also after the command (where a command has its own -q, that one).")
 @click.version_option(package_name="batchrun")
-def main(verbose: int) -> None:
+def main(verbose: int, quiet_logs: bool) -> None:
     """Resumable batch jobs over LLM APIs, with a ledger that never pays twice.
 
     \b
@@ -190,7 +238,7 @@ def main(verbose: int) -> None:
         interrupt.reset()  # in-process (tests): each invocation starts with no signal seen
     if click.get_current_context().invoked_subcommand not in RUN_COMMANDS:
         interrupt.release()
-    level = logging.WARNING - 10 * min(verbose, 2)
+    level = logging.ERROR if quiet_logs and not verbose else logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="batchrun: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
@@ -456,7 +504,7 @@ def resume(job: int, output: str | None, fmt: str | None, errors: str | None, fo
     from batchrun.submission import resume as resume_job
 
     _log_to_file(kw.get("log_file"))
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         result = resume_job(
             ledger, job, output=output, fmt=fmt, errors=errors, force=force, overrides=_overrides(kw),
             options=RunOptions(command="resume", transport=transport), handle_signals=True, require_key=True,
@@ -497,7 +545,7 @@ def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str
     """
     from batchrun.report import job_status, status_lines, watch_status
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         job_id = job if job is not None else _latest_job(ledger)
         if watch:
             mode = "json" if as_json else "live" if sys.stdout.isatty() else "line"
@@ -538,7 +586,7 @@ def report(job: int, html_path: str | None, force: bool, db: str | None) -> None
     from batchrun.html_report import render_html
     from batchrun.report import job_report, render_report, write_html_report
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         data = job_report(ledger, job)
     written = write_html_report(html_path, render_html(data), force=force) if html_path else None
     render_report(data, Console(highlight=False))
@@ -571,7 +619,7 @@ def compare(job_a: int, job_b: int, as_json: bool, examples: int, db: str | None
 
     from batchrun.report import compare_jobs, render_compare
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         data = compare_jobs(ledger, job_a, job_b, examples=examples)
     if as_json:
         click.echo(orjson.dumps(data).decode())
@@ -587,7 +635,7 @@ def list_jobs(as_json: bool, db: str | None) -> None:
     """The jobs in the ledger with their counts."""
     from batchrun.listing import list_jobs as listed_jobs
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         listed = listed_jobs(ledger)
     if as_json:
         click.echo(orjson.dumps([job.to_json() for job in listed]).decode())
@@ -628,7 +676,7 @@ def export_cmd(job: int, output: str, fmt: str, errors: str | None, force: bool,
     if output == "-":
         _export_to_stdout(db, job, fmt, errors, force)
         return
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         result = export_job(ledger, job, output, fmt=fmt, errors=errors, force=force, handle_signals=True)
     click.echo(f"output: {result.path} ({result.lines} lines)")
     if result.errors_path:
@@ -644,7 +692,7 @@ def _export_to_stdout(db: str | None, job: int, fmt: str, errors: str | None, fo
 
     stdout = sys.stdout.buffer
     try:
-        with _open(db) as ledger:
+        with _open(db, existing=True) as ledger:
             export_job(ledger, job, stdout, fmt=fmt, errors=errors, force=force, handle_signals=True)
     except BrokenPipeError:
         # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail too.
@@ -688,7 +736,7 @@ def retry(job: int, states: str, where: str | None, max_tokens: int | None, db: 
         raise UsageError(f"--state {bad[0]!r}: only {', '.join(USER_RETRYABLE_STATES)} can be retried")
     from batchrun.hints import command
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         ledger.get_job(job)
         n = ledger.retry(job, chosen, _parse_where(where), max_tokens=max_tokens)
     click.echo(f"{n} items of job {job} back to pending; run: {command(ledger.url, 'resume', job)}")
@@ -725,7 +773,7 @@ def revalidate(job: int, schema_path: str | None, as_json: bool, db: str | None)
             raise UsageError(f"{schema_path}: not valid JSON: {exc}") from None
         except ValueError as exc:
             raise UsageError(f"{schema_path}: not a valid JSON Schema (draft 2020-12): {exc}") from None
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         report = revalidate_job(ledger, job, schema)
     if as_json:
         click.echo(orjson.dumps(report.__dict__).decode())
@@ -766,7 +814,7 @@ def show(job: int, custom_id: str | None, where: str | None, limit: int, as_json
     chosen = _parse_where(where, SHOW_FILTERS)
     if "state" in chosen and chosen["state"] not in ALL_STATES:
         raise UsageError(f"--where state={chosen['state']}: expected one of {', '.join(ALL_STATES)}")
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         views = show_items(ledger, job, custom_id, chosen, limit=limit)
     if custom_id is not None and not views:
         raise UsageError(f"job {job} has no item {custom_id!r}" + (f" matching --where {where}" if where else ""))
@@ -794,7 +842,7 @@ def cancel(job: int, db: str | None) -> None:
     from batchrun.hints import command
     from batchrun.ledger.shards import ShardLedger
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         record = ledger.get_job(job)
         n = ledger.cancel(job)
         shards = None

@@ -183,8 +183,17 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def refuse_input(path: str | os.PathLike[str], input_path: str | os.PathLike[str]) -> None:
+    """ExportError when ``path`` is the job's input file: writing it would destroy the input (even with --force)."""
+    if Path(path).resolve() == Path(input_path).resolve():
+        raise ExportError(f"{path}: is the job's input file; writing the output there would destroy the input "
+                          "(--force does not allow it): name another file")
+
+
 def check_target(ledger: Ledger, job_id: int, path: Path, *, force: bool) -> None:
-    """Refuse a target that exists and is not this job's own earlier export (unless ``force``)."""
+    """Refuse the job's input file, and a target that exists and is not this job's own earlier export
+    (unless ``force``)."""
+    refuse_input(path, ledger.get_job(job_id).input_path)
     if path.is_dir():
         raise ExportError(f"{path}: is a directory; give a file name for the output")
     if not path.parent.is_dir():

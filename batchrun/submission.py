@@ -34,7 +34,7 @@ from batchrun import interrupt
 from batchrun.batch import BatchOptions, BatchRunner
 from batchrun.errors import BatchrunError, ExportWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
-from batchrun.export import ExportResult, check_format, check_target, export_command, export_job
+from batchrun.export import ExportResult, check_format, check_target, export_command, export_job, refuse_input
 from batchrun.hints import command
 from batchrun.jobs import PreparedJob, RunSummary, finish_interrupted_ingest, prepare_job, run_job
 from batchrun.ledger import Ledger, LedgerQueries
@@ -172,6 +172,10 @@ def submit(
     spec = spec.with_output_schema(schema) if schema is not None else spec
     if require_key and run:
         _require_key(spec)
+    if isinstance(input_path, (str, os.PathLike)) and str(input_path) != "-":
+        for path in (output, errors):
+            if path:  # refused before the job is stored
+                refuse_input(path, input_path)
     if handle_signals:
         interrupt.stop_point("before the job was stored (nothing was sent); run the same command again to carry on")
     path = input_file(ledger, input_path)
