@@ -5,7 +5,9 @@
   pauses everyone (a pause that doubles at most once a second, up to
   ``OUTAGE_MAX_PAUSE_S``), stops charging attempts to the items, and past
   ``outage_seconds`` without a clean answer it stops (exit 75) with the items
-  pending instead of failing them one by one.
+  pending instead of failing them one by one. A run that never had a clean answer
+  and cannot connect (refused, DNS, TLS: ``CONNECT_ERRORS``) is down from its first
+  such failure and stops after ``connect_grace``, naming the error.
 - **Refused.** Until its first answer, a run that sees the same client error
   (404, or a 400/422 with the same message) for ``REFUSED_AFTER_ITEMS`` items is
   sending something every request carries wrong (the model, the path, a
@@ -28,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from batchrun.errors import PermanentError, ProviderError, RetryableError
+from batchrun.errors import CONNECT_ERRORS, PermanentError, ProviderError, RetryableError
 from batchrun.spec import RunSpec
 
 OUTAGE_AFTER_FAILURES = 20  # failed attempts in a row, across items, that mean "the endpoint is down"
@@ -59,6 +61,8 @@ class Health:
         self._clock = clock
         self.failures_in_row = 0
         self.last_clean = clock()
+        self.answered = False  # this run has had a clean answer
+        self.last_error: RetryableError | None = None
         self._pause = 0.0
         self._pause_grown = 0.0
         self.latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)  # clean answers' seconds, oldest first
@@ -76,19 +80,30 @@ class Health:
             self.failures_in_row = 0
             self.last_clean = self._clock()
             self._pause = 0.0
+            self.answered = True
         elif isinstance(error, RetryableError):
             self.failures_in_row += 1
-        if self.failures_in_row < OUTAGE_AFTER_FAILURES:
+            self.last_error = error
+        # A run that never had an answer and cannot connect at all is down from its first failure.
+        cannot_connect = not self.answered and error is not None and error.error_class in CONNECT_ERRORS
+        if self.failures_in_row < OUTAGE_AFTER_FAILURES and not cannot_connect:
             return None
         now = self._clock()
         if now - self._pause_grown >= 1.0:
             self._pause = min(OUTAGE_MAX_PAUSE_S, max(0.5, self._pause * 2))
             self._pause_grown = now
+        last = f": {self.last_error.message}" if self.last_error is not None else ""
+        if cannot_connect and now - self.last_clean > self._run.connect_grace:
+            return Outage(
+                self._pause,
+                f"nothing connected in {self._run.connect_grace:g} s ([run] connect_grace){last}; "
+                "the items stay pending",
+            )
         if now - self.last_clean > self._run.outage_seconds:
             return Outage(
                 self._pause,
                 f"no clean answer for {self._run.outage_seconds:g} s: every request failed "
-                f"({self.failures_in_row} in a row); the items stay pending",
+                f"({self.failures_in_row} in a row{last}); the items stay pending",
             )
         return Outage(self._pause)
 

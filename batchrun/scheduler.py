@@ -158,6 +158,7 @@ class _ItemWork:
     followups: list[tuple[str, str]] = field(default_factory=list)
     lost: bool = False  # a heartbeat found the item no longer leased to this run: send it no more
     last_attempt: AttemptRecord | None = None
+    last_error: ProviderError | None = None  # kept on the item if it goes back to pending
     input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float | None = None  # None until an attempt had a price
@@ -571,6 +572,7 @@ class JobRunner:
         )
         if error is not None:
             log.debug("item %s attempt failed: %s", work.item.custom_id, error.message)
+            work.last_error = error
             raise error
         assert reply is not None
         return reply
@@ -683,7 +685,12 @@ class JobRunner:
 
     def _put_back(self, work: _ItemWork) -> None:
         self.tenure.settle(work)
-        self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.counted, claim=work.item.claim))
+        outcome = Outcome(work.item.id, ItemState.PENDING, work.counted, claim=work.item.claim)
+        if work.last_error is not None:  # why it is not done yet: status and report show it
+            error = work.last_error
+            outcome.status_code, outcome.error_class, outcome.error_message = (
+                error.status_code, error.error_class, error.message)
+        self._outcomes.append(outcome)
         self.stats.done["released"] += 1
         self._maybe_flush()
 

@@ -76,7 +76,7 @@ def test_no_clean_answer_for_outage_seconds_stops_the_run() -> None:
     verdict = health.observe(DOWN)
     assert verdict is not None
     assert verdict.stop_message == (
-        f"no clean answer for 2 s: every request failed ({OUTAGE_AFTER_FAILURES + 1} in a row); "
+        f"no clean answer for 2 s: every request failed ({OUTAGE_AFTER_FAILURES + 1} in a row: HTTP 503); "
         "the items stay pending"
     )
 
@@ -128,3 +128,29 @@ def test_refusals_after_an_answer_of_another_kind_or_all_different_are_the_items
     assert refusals.hold(3, different[3]) and refusals.decided  # as many as it holds, all different
     assert refusals.verdict() is None
     assert not refusals.hold(4, different[0])
+
+
+def test_a_run_that_never_connected_is_down_at_once_and_stops_after_connect_grace() -> None:
+    clock = Clock()
+    health = Health(RunSpec(outage_seconds=300.0, connect_grace=5.0), clock=clock)
+    refused = RetryableError("connection refused: port 9", error_class="connection_refused")
+    verdict = health.observe(refused)
+    assert verdict is not None and verdict.stop_message is None  # down from the first: nothing charged
+    clock.now += 6.0
+    verdict = health.observe(refused)
+    assert verdict is not None
+    assert verdict.stop_message == (
+        "nothing connected in 5 s ([run] connect_grace): connection refused: port 9; the items stay pending"
+    )
+
+
+def test_after_a_clean_answer_connection_errors_wait_for_the_outage_rules() -> None:
+    clock = Clock()
+    health = Health(RunSpec(outage_seconds=300.0, connect_grace=5.0), clock=clock)
+    health.observe(None)
+    refused = RetryableError("connection refused: port 9", error_class="connection_refused")
+    assert health.observe(refused) is None  # one failure after answers is not an outage
+    clock.now += 60.0
+    for _ in range(OUTAGE_AFTER_FAILURES):
+        verdict = health.observe(refused)
+    assert verdict is not None and verdict.stop_message is None  # connect_grace is for a run never answered
