@@ -25,7 +25,7 @@ from batchrun.ledger import RETRY_FILTERS, SHOW_FILTERS, Ledger, database_error_
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
-from batchrun.states import ALL_STATES, OPEN_STATES, USER_RETRYABLE_STATES, ExitCode
+from batchrun.states import ALL_STATES, OPEN_STATES, USER_RETRYABLE_STATES, ExitCode, StopReason
 from batchrun.tabular import INPUT_FORMATS
 
 if TYPE_CHECKING:
@@ -312,6 +312,10 @@ def _show_result(result: SubmitResult, *, as_json: bool, ledger_url: str) -> Non
         _fail(result.error)
     if result.exit_code == ExitCode.TEMPFAIL:
         click.echo(f"batchrun: job {result.job_id} has work left; carry on with: "
+                   f"{command(ledger_url, 'resume', result.job_id)}", err=True)
+    if result.stop_reason == StopReason.CANCELLED:
+        click.echo(f"batchrun: to send the cancelled items after all: "
+                   f"{command(ledger_url, 'retry', result.job_id, '--state', 'cancelled')} && "
                    f"{command(ledger_url, 'resume', result.job_id)}", err=True)
     if result.exit_code == ExitCode.AUTH:
         click.echo(f"batchrun: job {result.job_id}'s items are pending; once that is fixed, carry on with: "
@@ -714,7 +718,7 @@ def _parse_where(expr: str | None, keys: tuple[str, ...] = RETRY_FILTERS) -> dic
 @main.command()
 @click.argument("job", type=int)
 @click.option("--state", "states", default="failed,invalid_output", show_default=True,
-              help="Which finished states to send again (comma-separated).")
+              help="Which finished states to send again (comma-separated): failed, invalid_output, cancelled.")
 @click.option("--where", "where", default=None, help="Only items matching KEY=VALUE, e.g. error_class=truncated.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="A new token limit for these items (recorded on them; the job's spec is unchanged).")
@@ -833,7 +837,13 @@ def show(job: int, custom_id: str | None, where: str | None, limit: int, as_json
 @db_option
 @handle_errors
 def cancel(job: int, db: str | None) -> None:
-    """Cancel JOB's pending and running items (finished ones are kept).
+    """Cancel JOB's pending and running items (finished ones are kept); nothing more is sent for them.
+
+    A run working the job right now (submit, resume or a worker, on any
+    machine) notices within a couple of seconds and stops sending; answers
+    already in flight are recorded as succeeded, since they were paid for.
+    Cancelled items are not sent by a later resume; to send them after all:
+    batchrun retry JOB --state cancelled && batchrun resume JOB.
 
     In batch mode the job's live provider batches are cancelled at the provider too:
     what they finished is kept (the next `batchrun resume JOB` collects it), the rest

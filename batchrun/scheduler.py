@@ -103,7 +103,7 @@ class RunOptions:
     initial_concurrency: int = 4
     flush_interval: float = 0.1
     flush_count: int = 500
-    heartbeat_interval: float = 10.0
+    heartbeat_interval: float = 2.0  # also how soon a `batchrun cancel` from elsewhere stops the sending
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
     lease_seconds: float | None = None  # None: the spec's; how soon a killed run's items come back
@@ -816,7 +816,16 @@ class JobRunner:
     # -- the lock and the leases (their fences: batchrun.tenure) --------------
 
     async def _renew_leases(self) -> dict[int, int]:
-        """The heartbeat in the ledger: the lock (an exclusive run) and the leases renewed; the items still held."""
+        """The heartbeat in the ledger: the lock (an exclusive run) and the leases renewed; the items still held.
+
+        A ``batchrun cancel`` since the run started stops it: nothing more is sent (the cancelled items
+        are no longer held), and answers already in flight are recorded."""
+        if not self.stopping and await self._ledger(self.ledger.cancelled_since, self.job.id, self.stats.started_at):
+            self.request_stop(
+                StopReason.CANCELLED,
+                f"job {self.job.id} was cancelled (batchrun cancel) while this run worked it: nothing more was "
+                "sent, answers already in flight were recorded",
+            )
         return await self._ledger(
             lambda: self.ledger.heartbeat(self.job.id, self.run_id, self.lease_seconds, exclusive=self.options.exclusive)
         )

@@ -33,7 +33,7 @@ FINISHED_STATES: tuple[ItemState, ...] = (
 WORKED_STATES: tuple[ItemState, ...] = (ItemState.SUCCEEDED, ItemState.FAILED, ItemState.INVALID_OUTPUT)
 # Sent again only when the user asks (`batchrun retry`): re-running them costs money. Not to be
 # confused with a retryable error (errors.RetryableError), which the run retries by itself.
-USER_RETRYABLE_STATES: tuple[ItemState, ...] = (ItemState.FAILED, ItemState.INVALID_OUTPUT)
+USER_RETRYABLE_STATES: tuple[ItemState, ...] = (ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.CANCELLED)
 # The items of an errors file.
 ERROR_STATES: tuple[ItemState, ...] = (ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED)
 
@@ -76,6 +76,7 @@ class StopReason(StrEnum):
     DEADLINE = "deadline"  # --max-runtime
     AUTH = "auth"  # the provider refused the key
     REFUSED = "refused"  # the first requests were all refused the same way (a wrong model, path or parameter)
+    CANCELLED = "cancelled"  # `batchrun cancel` cancelled the job's items while the run worked them
     BUDGET = "budget"  # the next request's worst case did not fit in the job's budget
     OUTAGE = "outage"  # every request failed for outage_seconds
     LOCK_LOST = "lock_lost"  # it stalled past its lock's staleness and another run took the job over

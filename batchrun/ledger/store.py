@@ -200,7 +200,11 @@ FINAL_COLUMNS = (
 BACK_COLUMNS = ("status_code", "error_class", "error_message")
 _NOT_FINAL = (ItemState.PENDING, ItemState.RUNNING)  # outcomes that leave the item unanswered
 # States in which an item has no answer: a success may land there, whoever holds the item.
-UNANSWERED = (ItemState.PENDING, ItemState.RUNNING, ItemState.SUBMITTED, ItemState.FAILED, ItemState.INVALID_OUTPUT)
+# A cancelled item too: an answer in flight when the user cancelled was paid for, and is kept.
+UNANSWERED = (
+    ItemState.PENDING, ItemState.RUNNING, ItemState.SUBMITTED, ItemState.FAILED, ItemState.INVALID_OUTPUT,
+    ItemState.CANCELLED,
+)
 _ATTEMPT_COLUMNS = tuple(f.name for f in dataclasses.fields(AttemptRecord) if f.name != "counted")
 # The writer's hot path on SQLite goes straight to the driver's executemany (as ingest does):
 # SQLAlchemy's per-row parameter processing cost about as much as the writes themselves.
@@ -651,6 +655,16 @@ class Ledger:
                 .returning(items_t.c.id, items_t.c.lease_claim)
             ).all()
             return {int(item_id): int(claim or 0) for item_id, claim in held}
+
+    def cancelled_since(self, job_id: int, since: float) -> bool:
+        """Whether ``batchrun cancel`` cancelled items of the job at or after ``since`` (a run watches for it)."""
+        with self.engine.connect() as conn:
+            return conn.execute(
+                select(items_t.c.id)
+                .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.CANCELLED,
+                       items_t.c.finished_at >= since)
+                .limit(1)
+            ).first() is not None
 
     def end_run(self, job_id: int, run_id: str, exit_code: int) -> None:
         with self._write() as conn:

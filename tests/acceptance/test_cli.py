@@ -125,7 +125,7 @@ def test_export_never_clobbers_a_foreign_file(tmp_path: Path, server: FakeProvid
         (["submit", "--input", "missing.jsonl", "--base-url", "http://127.0.0.1:9/v1"], "missing.jsonl: no such input file"),
         (["resume", "42"], "no ledger at"),
         (["status", "7"], "no ledger at"),
-        (["retry", "1", "--state", "succeeded"], "only failed, invalid_output can be retried"),
+        (["retry", "1", "--state", "succeeded"], "only failed, invalid_output, cancelled can be retried"),
         (["submit", "--input", "x.jsonl", "--base-url", "http://127.0.0.1:9/v1", "--db", "postgresql+psycopg://u:pw@127.0.0.1:1/x"],
          "cannot open ledger postgresql+psycopg://u:***@127.0.0.1:1/x"),
     ],
