@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import orjson
 
 from batchrun.testing import FakeProviderServer, Faults
 
-from .conftest import run_cli, start_cli
+from .conftest import run_cli, start_cli, wait_for_requests
 from .test_cli import write_records, write_spec
 
 
@@ -19,9 +18,7 @@ def test_cancel_during_a_run_stops_sending_and_keeps_the_answers_in_flight(
     server.faults = Faults(latency_s=0.5)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 200), tmp_path / "l.db"
     run = start_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--quiet")
-    deadline = time.monotonic() + 30
-    while len(server.log) < 8 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for_requests(server, 8)
     cancelled = run_cli(tmp_path, "cancel", "1", "--db", str(db))
     assert cancelled.returncode == 0, cancelled.stderr
     at_cancel = sum(server.requests_by_key().values())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from batchrun.testing import FakeProviderServer, Faults
 
-from .conftest import run_cli, start_cli
+from .conftest import run_cli, start_cli, wait_for_requests
 from .test_cli import write_records, write_spec
 
 
@@ -73,11 +73,7 @@ def test_a_second_signal_while_shutting_down_exits_75_at_once(tmp_path: Path, se
     server.faults = Faults(p_hang=1.0)  # the requests in flight never answer: the grace period would last 30 s
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 20), tmp_path / "l.db"
     proc = start_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db))
-    deadline = time.monotonic() + 30
-    while len(server.log) < 4 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    while not server.requests_by_key() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for_requests(server, 4)
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)

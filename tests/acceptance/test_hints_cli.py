@@ -12,14 +12,13 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
 
 from batchrun.testing import FakeProviderServer, Faults
 
-from .conftest import cli_env, run_cli, start_cli
+from .conftest import cli_env, run_cli, start_cli, wait_for_requests
 from .test_cli import SPEC, write_spec
 
 
@@ -40,12 +39,6 @@ def hinted(stderr: str, after: str = "carry on with: ") -> list[str]:
 
 def run_hint(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, env=cli_env(tmp_path), timeout=120)
-
-
-def wait_for_requests(server: FakeProviderServer, n: int) -> None:
-    deadline = time.monotonic() + 30
-    while len(server.log) < n and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def test_the_printed_resume_of_a_db_job_finishes_it_into_the_same_files(
