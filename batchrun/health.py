@@ -154,7 +154,7 @@ class Refusals(Generic[T]):
         """The stop message once ``items`` items were refused the same way, else None."""
         if self.decided or not self._seen:
             return None
-        (status, message), n = self._seen.most_common(1)[0]
+        (_, message), n = self._seen.most_common(1)[0]
         if n < self.items:
             return None
         return (f"the provider refused the first {n} requests the same way: {message}; every request carries "

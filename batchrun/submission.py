@@ -34,7 +34,14 @@ from batchrun import interrupt
 from batchrun.batch import BatchOptions, BatchRunner
 from batchrun.errors import BatchrunError, ExportWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
-from batchrun.export import ExportResult, check_format, check_target, export_command, export_job, refuse_input
+from batchrun.export import (
+    ExportResult,
+    check_format,
+    check_target,
+    export_command,
+    export_job,
+    refuse_input,
+)
 from batchrun.hints import command
 from batchrun.jobs import PreparedJob, RunSummary, finish_interrupted_ingest, prepare_job, run_job
 from batchrun.ledger import Ledger, LedgerQueries

@@ -1045,9 +1045,10 @@ class Ledger:
         ``resume JOB`` writes the same files. Kept in ``exports`` as rows with no content hash
         (:data:`TARGET_SHA`: never a file's hash); the newest such row is the target."""
         now = time.time()
-        rows = [dict(job_id=job_id, path=path, format=fmt, sha256=TARGET_SHA, lines=0, created_at=now)]
+        rows = [{"job_id": job_id, "path": path, "format": fmt, "sha256": TARGET_SHA, "lines": 0, "created_at": now}]
         if errors:
-            rows.append(dict(job_id=job_id, path=errors, format=ERRORS_TARGET, sha256=TARGET_SHA, lines=0, created_at=now))
+            rows.append({"job_id": job_id, "path": errors, "format": ERRORS_TARGET, "sha256": TARGET_SHA, "lines": 0,
+                         "created_at": now})
         with self._write() as conn:
             conn.execute(
                 delete(exports_t).where(exports_t.c.job_id == job_id, exports_t.c.sha256 == TARGET_SHA)

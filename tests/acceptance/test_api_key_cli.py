@@ -18,7 +18,7 @@ from .test_cli import SPEC, write_records, write_spec
 def run_without_key(tmp_path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = cli_env(tmp_path)
     env.pop("OPENAI_API_KEY")
-    return subprocess.run(batchrun_cmd(*args), capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run(batchrun_cmd(*args), capture_output=True, text=True, env=env, timeout=timeout, check=False)
 
 
 def test_submit_resume_and_check_refuse_a_missing_key_naming_it(tmp_path: Path, server: FakeProviderServer) -> None:
