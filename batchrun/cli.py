@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,7 +25,7 @@ from batchrun.ledger.basics import RETRY_FILTERS, SHOW_FILTERS, database_error_l
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
-from batchrun.states import ALL_STATES, OPEN_STATES, USER_RETRYABLE_STATES, ExitCode
+from batchrun.states import ALL_STATES, OPEN_STATES, USER_RETRYABLE_STATES, ExitCode, StopReason
 from batchrun.tabular import INPUT_FORMATS
 
 if TYPE_CHECKING:
@@ -96,8 +97,10 @@ def override_options(fn: F) -> F:
             click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Max attempts per item."),
             click.option("--timeout", type=click.FloatRange(min=0.001), default=None, help="Total seconds per attempt."),
             click.option("--rpm", type=click.FloatRange(min=0), default=None, help="Requests per minute for the job (0: no limit)."),
-            click.option("--max-runtime", type=Duration(), default=None,
-                         help="Stop cleanly after this long (e.g. 30m, 2h): exit 75 with work left, resume later."),
+            click.option("--max-runtime", type=Duration(allow_zero=True), default=None,
+                         help="Stop cleanly after this long (e.g. 30m, 2h): exit 75 with work left, resume later. "
+                         "For this run only (never stored with the job); 0: no limit, even over the spec's "
+                         "[run] max_runtime."),
             click.option("--tpm", type=click.FloatRange(min=0), default=None, help="Tokens per minute for the job (0: no limit)."),
             click.option("--budget-usd", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
                          help="The job's total spend cap in USD (overrides [run] budget_usd). Each request "
@@ -147,29 +150,77 @@ def _overrides(kw: dict[str, Any]) -> Overrides:
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]
-    """``90``, ``90s``, ``30m``, ``1h30m``: seconds."""
+    """``90``, ``90s``, ``30m``, ``1h30m``: seconds (``0``/``0s`` too, with ``allow_zero``)."""
 
     name = "duration"
+
+    def __init__(self, *, allow_zero: bool = False) -> None:
+        self.allow_zero = allow_zero
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         from batchrun.ratelimit import parse_reset
 
         seconds = parse_reset(str(value).strip())
-        if seconds is None or seconds <= 0:
+        if seconds is None or seconds < 0 or (seconds == 0 and not self.allow_zero):
             self.fail(f"{value!r} is not a duration (e.g. 90s, 30m, 2h, 1h30m)", param, ctx)
         return seconds
 
 
-def _open(db: str | None) -> Ledger:
+def _open(db: str | None, *, existing: bool = False) -> Ledger:
+    """The ledger; ``existing``: a command that needs a job refuses a SQLite file that does not exist
+    (instead of creating an empty ledger only to say the job is not there)."""
+    if existing:
+        url = resolve_db_url(db)
+        path = Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+        if path is not None and not path.exists():
+            raise UsageError(f"no ledger at {path}: the file does not exist (nothing was created); "
+                             "name the job's ledger with --db PATH or BATCHRUN_DB")
     from batchrun.ledger import Ledger
 
     return Ledger.open(db)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+_VERBOSITY = re.compile(r"-v+|--verbose|-q|--quiet")
+
+
+class BatchrunGroup(click.Group):
+    """The ``batchrun`` group: usage errors in our one-line style; ``-v``/``-q`` anywhere on the line."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # -v/-q after the subcommand are the group's (unless the subcommand has its own -q).
+        at = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+        if at is not None and args[at] in self.commands:
+            command = self.commands[args[at]]
+            own = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+            end = args.index("--") if "--" in args else len(args)
+            moved = [i for i in range(at + 1, end) if _VERBOSITY.fullmatch(args[i]) and args[i] not in own]
+            args = [args[i] for i in moved] + [a for i, a in enumerate(args) if i not in set(moved)]
+        return super().parse_args(ctx, args)
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "batchrun"
+            message = exc.format_message().rstrip(".")
+            click.echo(f"batchrun: error: {message[:1].lower() + message[1:]} (see: {where} --help)", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"batchrun: error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("batchrun: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=BatchrunGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug); also after the command.")
+@click.option("-q", "--quiet", "quiet_logs", is_flag=True,
+              help="Log errors only; also after the command (where a command has its own -q, that one).")
 @click.version_option(package_name="batchrun")
-def main(verbose: int) -> None:
+def main(verbose: int, quiet_logs: bool) -> None:
     """Resumable batch jobs over LLM APIs, with a ledger that never pays twice.
 
     \b
@@ -181,14 +232,15 @@ def main(verbose: int) -> None:
       batchrun resume 1            # after a crash, kill -9 or Ctrl-C
 
     Exit codes: 0 all succeeded, 1 some failed/invalid/rejected, 2 usage/spec/input
-    error (nothing sent), 3 authentication refused, 4 budget reached, 75 stopped
-    early with work left (resume later).
+    error (nothing sent), 3 authentication refused or every request refused the same
+    way (wrong model, path or parameter; items left pending), 4 budget reached, 75
+    stopped early with work left (resume later).
     """
     if not interrupt.held():
         interrupt.reset()  # in-process (tests): each invocation starts with no signal seen
     if click.get_current_context().invoked_subcommand not in RUN_COMMANDS:
         interrupt.release()
-    level = logging.WARNING - 10 * min(verbose, 2)
+    level = logging.ERROR if quiet_logs and not verbose else logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="batchrun: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
@@ -245,8 +297,10 @@ def _show_rejected(prepared: PreparedJob | None, input_path: str) -> None:
             click.echo(f"  {input_path}:{line}: {reason}", err=True)
 
 
-def _show_result(result: SubmitResult, *, as_json: bool) -> None:
-    """How a submit or resume ended, then its exit code."""
+def _show_result(result: SubmitResult, *, as_json: bool, ledger_url: str) -> None:
+    """How a submit or resume ended, then its exit code; a hint to carry on names the ledger."""
+    from batchrun.hints import command
+
     exported = result.export
     if as_json:
         click.echo(orjson.dumps(result.to_json()).decode())
@@ -264,11 +318,19 @@ def _show_result(result: SubmitResult, *, as_json: bool) -> None:
     if result.error is not None:
         _fail(result.error)
     if result.exit_code == ExitCode.TEMPFAIL:
-        click.echo(f"batchrun: job {result.job_id} has work left; carry on with: batchrun resume {result.job_id}", err=True)
+        click.echo(f"batchrun: job {result.job_id} has work left; carry on with: "
+                   f"{command(ledger_url, 'resume', result.job_id)}", err=True)
+    if result.stop_reason == StopReason.CANCELLED:
+        click.echo(f"batchrun: to send the cancelled items after all: "
+                   f"{command(ledger_url, 'retry', result.job_id, '--state', 'cancelled')} && "
+                   f"{command(ledger_url, 'resume', result.job_id)}", err=True)
+    if result.exit_code == ExitCode.AUTH:
+        click.echo(f"batchrun: job {result.job_id}'s items are pending; once that is fixed, carry on with: "
+                   f"{command(ledger_url, 'resume', result.job_id)}", err=True)
     if result.exit_code == ExitCode.BUDGET:
         click.echo(
             f"batchrun: job {result.job_id} has work left; carry on with a larger total budget: "
-            f"batchrun resume {result.job_id} --budget-usd AMOUNT",
+            f"{command(ledger_url, 'resume', result.job_id, '--budget-usd', 'AMOUNT')}",
             err=True,
         )
     sys.exit(result.exit_code)
@@ -280,8 +342,10 @@ def _show_result(result: SubmitResult, *, as_json: bool) -> None:
               help="Input file: JSONL, or .csv / .parquet (a row a record); - for standard input.")
 @click.option("--input-format", type=click.Choice(INPUT_FORMATS), default=None,
               help="What --input - holds (default jsonl); a file's format is its suffix.")
-@click.option("--output", default=None, type=click.Path(dir_okay=False), help="Export here when the job finishes.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="results", show_default=True)
+@click.option("--output", default=None, type=click.Path(dir_okay=False),
+              help="Export here when the job finishes; the job remembers it (with --format and --errors), "
+              "so a later `batchrun resume JOB` writes the same file.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None, help="Format of --output (default: results).")
 @click.option("--errors", default=None, type=click.Path(dir_okay=False), help="Also write failed/invalid/rejected items here.")
 @click.option("--force", is_flag=True, help="Replace an output file that is not this job's own export.")
 @click.option("--new", is_flag=True, help="Always create a new job, even if this spec and input were submitted before.")
@@ -299,16 +363,18 @@ def _show_result(result: SubmitResult, *, as_json: bool) -> None:
 @override_options
 @mode_options
 @handle_errors
-def submit(spec: str | None, input_path: str, output: str | None, fmt: str, errors: str | None, force: bool,
-           new: bool, strict: bool, allow_empty: bool, as_json: bool, dry_run: bool, no_run: bool, db: str | None,
-           quiet: bool, transport: str, wait: bool | None, **kw: Any) -> None:
+def submit(spec: str | None, input_path: str, output: str | None, fmt: str | None, errors: str | None, force: bool,
+           new: bool, strict: bool, allow_empty: bool, as_json: bool, dry_run: bool, no_run: bool, db: str | None, quiet: bool, transport: str,
+           wait: bool | None, **kw: Any) -> None:
     """Submit INPUT under job SPEC and work it to the end.
 
     The same SPEC and input content find the existing job and carry it on
     (nothing finished is sent again); --new forces a new job. Without a SPEC,
     the input must be batch lines of one provider (OpenAI Batch API lines by
     default; Anthropic Message Batches lines with --provider anthropic) and
-    --base-url is required.
+    --base-url is required. The API key variable the spec names ([provider]
+    api_key_env) must be set, else exit 2 before anything is stored or sent
+    (api_key_env = "": a server that needs no key).
 
     An item whose request (same API, URL and body) already succeeded in any
     job of the ledger is not sent: the response cache reuses its answer at no
@@ -329,7 +395,10 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
     from batchrun.submission import submit as submit_job
 
     overrides = _overrides(kw)
-    job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
+    # The job keeps its spec as written (and the run-time overrides that shape it); --max-runtime is
+    # this invocation's only: a later resume must not stop after the same time.
+    stored = overrides.without("max_runtime")
+    job_spec = load_spec(spec, stored) if spec else spec_for_batch_input(stored)
     input_path = _input_file(input_path, kw.get("input_format"), db)
     if dry_run:
         from batchrun.jobs import dry_run as estimate
@@ -350,14 +419,13 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str, erro
             ledger, job_spec, input_path, output=output, fmt=fmt, errors=errors, force=force, new=new, strict=strict,
             run=not no_run, overrides=overrides, options=RunOptions(command="submit", transport=transport),
             batch=_batch_options("submit", wait, quiet or as_json),
-            handle_signals=True,
-            on_prepared=None if as_json else on_prepared,
+            handle_signals=True, require_key=True, on_prepared=None if as_json else on_prepared,
             on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
             allow_empty=allow_empty,
         )
     if prepared and prepared[0].ingest is None:  # the input was read beside the run
         _show_rejected(result.prepared, input_path)
-    _show_result(result, as_json=as_json)
+    _show_result(result, as_json=as_json, ledger_url=ledger.url)
 
 
 def _input_file(input_path: str, input_format: str | None, db: str | None) -> str:
@@ -429,21 +497,29 @@ def _show_dry_run(report: DryRun, *, as_json: bool) -> None:
 
 @main.command()
 @click.argument("job", type=int)
-@click.option("--output", default=None, type=click.Path(dir_okay=False), help="Export here when the job finishes.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="results", show_default=True)
-@click.option("--errors", default=None, type=click.Path(dir_okay=False), help="Also write failed/invalid/rejected items here.")
+@click.option("--output", default=None, type=click.Path(dir_okay=False),
+              help="Export here when the job finishes. Default: where the job was last told to export "
+              "(submit or resume --output), with its --format and --errors.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="Format of the output (default: the remembered one, else results).")
+@click.option("--errors", default=None, type=click.Path(dir_okay=False),
+              help="Also write failed/invalid/rejected items here (default: the remembered errors file).")
 @click.option("--force", is_flag=True, help="Replace an output file that is not this job's own export.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end.")
 @db_option
 @override_options
 @mode_options
 @handle_errors
-def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bool, as_json: bool,
+def resume(job: int, output: str | None, fmt: str | None, errors: str | None, force: bool, as_json: bool,
            db: str | None, quiet: bool, transport: str, wait: bool | None, **kw: Any) -> None:
     """Carry on JOB: pending items and those a dead run left running. Finished items are never sent again.
 
+    When the job finishes it is exported where it was last told to (submit or
+    resume --output, with that --format and --errors); an explicit --output wins.
+
     \b
     Examples:
+      batchrun resume 3
       batchrun resume 3 --output results.jsonl
       batchrun resume 3 --budget-usd 20     # after exit 4: the job's new total budget
     """
@@ -451,14 +527,14 @@ def resume(job: int, output: str | None, fmt: str, errors: str | None, force: bo
     from batchrun.submission import resume as resume_job
 
     _log_to_file(kw.get("log_file"))
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         result = resume_job(
             ledger, job, output=output, fmt=fmt, errors=errors, force=force, overrides=_overrides(kw),
-            options=RunOptions(command="resume", transport=transport), handle_signals=True,
+            options=RunOptions(command="resume", transport=transport), handle_signals=True, require_key=True,
             batch=_batch_options("resume", wait, quiet or as_json),
             on_start=_progress(quiet or as_json, kw.get("log_file"), kw["progress_interval"]),
         )
-    _show_result(result, as_json=as_json)
+    _show_result(result, as_json=as_json, ledger_url=ledger.url)
 
 
 def _latest_job(ledger: Ledger) -> int:
@@ -492,7 +568,7 @@ def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str
     """
     from batchrun.report import job_status, status_lines, watch_status
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         job_id = job if job is not None else _latest_job(ledger)
         if watch:
             mode = "json" if as_json else "live" if sys.stdout.isatty() else "line"
@@ -533,7 +609,7 @@ def report(job: int, html_path: str | None, force: bool, db: str | None) -> None
     from batchrun.html_report import render_html
     from batchrun.report import job_report, render_report, write_html_report
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         data = job_report(ledger, job)
     written = write_html_report(html_path, render_html(data), force=force) if html_path else None
     render_report(data, Console(highlight=False))
@@ -566,7 +642,7 @@ def compare(job_a: int, job_b: int, as_json: bool, examples: int, db: str | None
 
     from batchrun.report import compare_jobs, render_compare
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         data = compare_jobs(ledger, job_a, job_b, examples=examples)
     if as_json:
         click.echo(orjson.dumps(data).decode())
@@ -582,7 +658,7 @@ def list_jobs(as_json: bool, db: str | None) -> None:
     """The jobs in the ledger with their counts."""
     from batchrun.listing import list_jobs as listed_jobs
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         listed = listed_jobs(ledger)
     if as_json:
         click.echo(orjson.dumps([job.to_json() for job in listed]).decode())
@@ -623,7 +699,7 @@ def export_cmd(job: int, output: str, fmt: str, errors: str | None, force: bool,
     if output == "-":
         _export_to_stdout(db, job, fmt, errors, force)
         return
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         result = export_job(ledger, job, output, fmt=fmt, errors=errors, force=force, handle_signals=True)
     click.echo(f"output: {result.path} ({result.lines} lines)")
     if result.errors_path:
@@ -639,7 +715,7 @@ def _export_to_stdout(db: str | None, job: int, fmt: str, errors: str | None, fo
 
     stdout = sys.stdout.buffer
     try:
-        with _open(db) as ledger:
+        with _open(db, existing=True) as ledger:
             export_job(ledger, job, stdout, fmt=fmt, errors=errors, force=force, handle_signals=True)
     except BrokenPipeError:
         # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail too.
@@ -661,7 +737,7 @@ def _parse_where(expr: str | None, keys: tuple[str, ...] = RETRY_FILTERS) -> dic
 @main.command()
 @click.argument("job", type=int)
 @click.option("--state", "states", default="failed,invalid_output", show_default=True,
-              help="Which finished states to send again (comma-separated).")
+              help="Which finished states to send again (comma-separated): failed, invalid_output, cancelled.")
 @click.option("--where", "where", default=None, help="Only items matching KEY=VALUE, e.g. error_class=truncated.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
               help="A new token limit for these items (recorded on them; the job's spec is unchanged).")
@@ -681,10 +757,12 @@ def retry(job: int, states: str, where: str | None, max_tokens: int | None, db: 
     bad = [s for s in chosen if s not in USER_RETRYABLE_STATES]
     if bad:
         raise UsageError(f"--state {bad[0]!r}: only {', '.join(USER_RETRYABLE_STATES)} can be retried")
-    with _open(db) as ledger:
+    from batchrun.hints import command
+
+    with _open(db, existing=True) as ledger:
         ledger.get_job(job)
         n = ledger.retry(job, chosen, _parse_where(where), max_tokens=max_tokens)
-    click.echo(f"{n} items of job {job} back to pending; run: batchrun resume {job}")
+    click.echo(f"{n} items of job {job} back to pending; run: {command(ledger.url, 'resume', job)}")
 
 
 @main.command()
@@ -718,7 +796,7 @@ def revalidate(job: int, schema_path: str | None, as_json: bool, db: str | None)
             raise UsageError(f"{schema_path}: not valid JSON: {exc}") from None
         except ValueError as exc:
             raise UsageError(f"{schema_path}: not a valid JSON Schema (draft 2020-12): {exc}") from None
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         report = revalidate_job(ledger, job, schema)
     if as_json:
         click.echo(orjson.dumps(report.__dict__).decode())
@@ -759,7 +837,7 @@ def show(job: int, custom_id: str | None, where: str | None, limit: int, as_json
     chosen = _parse_where(where, SHOW_FILTERS)
     if "state" in chosen and chosen["state"] not in ALL_STATES:
         raise UsageError(f"--where state={chosen['state']}: expected one of {', '.join(ALL_STATES)}")
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         views = show_items(ledger, job, custom_id, chosen, limit=limit)
     if custom_id is not None and not views:
         raise UsageError(f"job {job} has no item {custom_id!r}" + (f" matching --where {where}" if where else ""))
@@ -778,15 +856,22 @@ def show(job: int, custom_id: str | None, where: str | None, limit: int, as_json
 @db_option
 @handle_errors
 def cancel(job: int, db: str | None) -> None:
-    """Cancel JOB's pending and running items (finished ones are kept).
+    """Cancel JOB's pending and running items (finished ones are kept); nothing more is sent for them.
+
+    A run working the job right now (submit, resume or a worker, on any
+    machine) notices within a couple of seconds and stops sending; answers
+    already in flight are recorded as succeeded, since they were paid for.
+    Cancelled items are not sent by a later resume; to send them after all:
+    batchrun retry JOB --state cancelled && batchrun resume JOB.
 
     In batch mode the job's live provider batches are cancelled at the provider too:
     what they finished is kept (the next `batchrun resume JOB` collects it), the rest
     becomes cancelled.
     """
+    from batchrun.hints import command
     from batchrun.ledger.shards import ShardLedger
 
-    with _open(db) as ledger:
+    with _open(db, existing=True) as ledger:
         record = ledger.get_job(job)
         n = ledger.cancel(job)
         shards = None
@@ -800,7 +885,7 @@ def cancel(job: int, db: str | None) -> None:
     if shards.shards:
         click.echo(
             f"batchrun: {shards.shards} provider batches ({shards.items} items) cancelled at the provider; what they "
-            f"finished is kept: collect it with `batchrun resume {job}`", err=True,
+            f"finished is kept: collect it with `{command(ledger.url, 'resume', job)}`", err=True,
         )
     for problem in shards.problems:
         click.echo(f"batchrun: could not cancel {problem}; the next run cancels it", err=True)
@@ -827,7 +912,8 @@ def check(spec: str | None, input_path: str, line: int, as_json: bool, **kw: Any
     the answer checked against the spec's schema. The API key never appears.
 
     Exit 0 when the request succeeded and the answer is valid, 1 when it
-    failed or the answer is invalid, 2 for a bad spec or input line, 3 when
+    failed or the answer is invalid, 2 for a bad spec or input line or an API
+    key variable that is not set (api_key_env = "" in the spec: no key), 3 when
     the key was refused. Without a SPEC, the line must be a provider's batch
     line (as for submit) and --base-url is required.
 
@@ -837,9 +923,13 @@ def check(spec: str | None, input_path: str, line: int, as_json: bool, **kw: Any
       batchrun check --input batch.jsonl --base-url https://api.openai.com/v1 --model gpt-4o-mini
     """
     from batchrun.check import check_spec, render_check
+    from batchrun.providers import missing_api_key
 
     overrides = _overrides(kw)
     job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
+    missing = missing_api_key(job_spec)
+    if missing is not None:
+        raise missing
     result = run_sync(check_spec(job_spec, input_path=input_path, line=line))
     click.echo(orjson.dumps(result.to_dict()).decode() if as_json else render_check(result))
     sys.exit(result.exit_code)
@@ -891,7 +981,7 @@ def worker(jobs: tuple[int, ...], exit_when_idle: bool, poll: float, lease: floa
     max_runtime = kw.pop("max_runtime") or 0.0
     options = WorkerOptions(
         concurrency=concurrency, poll_interval=poll, exit_when_idle=exit_when_idle, max_runtime=max_runtime,
-        lease_seconds=lease, ledger_retry_seconds=db_retry, transport=transport,
+        lease_seconds=lease, ledger_retry_seconds=db_retry, transport=transport, require_key=True,
     )
 
     def started(runner: Worker) -> None:
@@ -928,6 +1018,7 @@ def demo(example: str, mode: str, db: str | None) -> None:
     (a batch ends in seconds; a 5xx on create after creating, busy polls).
     """
     from batchrun.demo import demo_server, prepare_demo
+    from batchrun.hints import command
     from batchrun.scheduler import RunOptions
     from batchrun.submission import resume as resume_job
 
@@ -942,7 +1033,7 @@ def demo(example: str, mode: str, db: str | None) -> None:
         if result.export:
             click.echo(f"output: {result.export.path} ({result.export.lines} lines)")
         click.echo(" ".join(f"{k}={v}" for k, v in result.counts.items() if v))
-        click.echo(f"next: batchrun status {job_id}" + ("" if db is None else f" --db {db}"), err=True)
+        click.echo(f"next: {command(ledger.url, 'status', job_id)}", err=True)
     sys.exit(result.exit_code)
 
 

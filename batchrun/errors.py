@@ -176,6 +176,16 @@ class AuthError(ProviderError):
     error_class = "auth"
 
 
+# Why nothing connects, by error class (RetryableError.error_class), with the words its message
+# starts with: named in the progress line, the final message, status and the report. A run that
+# never had a clean answer gives up on these after [run] connect_grace.
+CONNECT_ERRORS = {
+    "connection_refused": "connection refused",
+    "dns": "host not found (DNS)",
+    "tls": "TLS handshake failed",
+}
+
+
 class OutputInvalidError(BatchrunError):
     """The answer is not valid structured output."""
 

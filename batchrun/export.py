@@ -32,6 +32,7 @@ import orjson
 
 from batchrun import interrupt
 from batchrun.errors import ExportError, ExportWriteError, StoppedError
+from batchrun.hints import command
 from batchrun.provider_registry import BATCH_FORMATS, kinds_of_format, provider_entry
 from batchrun.states import ERROR_STATES, OPEN_STATES, ItemState
 from batchrun.tabular import Column, csv_chunks, parquet_chunks
@@ -183,8 +184,17 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def refuse_input(path: str | os.PathLike[str], input_path: str | os.PathLike[str]) -> None:
+    """ExportError when ``path`` is the job's input file: writing it would destroy the input (even with --force)."""
+    if Path(path).resolve() == Path(input_path).resolve():
+        raise ExportError(f"{path}: is the job's input file; writing the output there would destroy the input "
+                          "(--force does not allow it): name another file")
+
+
 def check_target(ledger: Ledger, job_id: int, path: Path, *, force: bool) -> None:
-    """Refuse a target that exists and is not this job's own earlier export (unless ``force``)."""
+    """Refuse the job's input file, and a target that exists and is not this job's own earlier export
+    (unless ``force``)."""
+    refuse_input(path, ledger.get_job(job_id).input_path)
     if path.is_dir():
         raise ExportError(f"{path}: is a directory; give a file name for the output")
     if not path.parent.is_dir():
@@ -362,7 +372,8 @@ def export_job(
             return _export(ledger, job_id, output, fmt=fmt, errors=errors, force=force, should_stop=stop_requested)
         except StoppedError as exc:
             target = STREAM_NAME if _is_stream(output) else Path(output).absolute()  # type: ignore[arg-type]
-            again = export_command(job_id, target, fmt, Path(errors).absolute() if errors else None)
+            again = export_command(job_id, target, fmt, Path(errors).absolute() if errors else None,
+                                   ledger_url=ledger.url)
             raise StoppedError(f"{interrupt.received() or 'signal'}: {exc.message}; write it with: {again}") from exc
 
 
@@ -373,11 +384,15 @@ def check_format(fmt: str) -> None:
 
 
 def export_command(
-    job_id: int, output: str | os.PathLike[str], fmt: str = "results", errors: str | os.PathLike[str] | None = None
+    job_id: int, output: str | os.PathLike[str], fmt: str = "results", errors: str | os.PathLike[str] | None = None,
+    *, ledger_url: str = "",
 ) -> str:
-    """The ``batchrun export`` command that writes this export (what a stopped export says to run)."""
-    return (f"batchrun export {job_id} --output {output}" + (f" --format {fmt}" if fmt != "results" else "")
-            + (f" --errors {errors}" if errors else ""))
+    """The ``batchrun export`` command that writes this export (what a stopped export says to run), with
+    ``--db`` when ``ledger_url`` is not the default ledger's."""
+    args: list[object] = ["export", job_id, "--output", output]
+    args += ["--format", fmt] if fmt != "results" else []
+    args += ["--errors", errors] if errors else []
+    return command(ledger_url, *args) if ledger_url else " ".join(["batchrun", *map(str, args)])
 
 
 def _is_stream(output: object) -> bool:
@@ -453,7 +468,7 @@ def _export(
         except OSError as exc:
             raise ExportWriteError(
                 f"{target}: cannot write: {exc.strerror or exc}; the results are safe in the ledger: "
-                f"write them elsewhere with: batchrun export {job_id} --output OTHER"
+                f"write them elsewhere with: {command(ledger.url, 'export', job_id, '--output', 'OTHER')}"
             ) from exc
         return rows.count
 

@@ -65,11 +65,12 @@ from batchrun.errors import (
     LedgerWriteError,
     LockLostError,
     OutputInvalidError,
+    PermanentError,
     ProviderError,
     RateLimitedError,
     RetryableError,
 )
-from batchrun.health import LATENCIES_KEPT, Health
+from batchrun.health import LATENCIES_KEPT, Health, Refusals
 from batchrun.ledger import (
     LEDGER_RETRY_SECONDS,
     AsyncLedger,
@@ -124,7 +125,7 @@ class RunOptions:
     initial_concurrency: int = 4
     flush_interval: float = 0.1
     flush_count: int = 500
-    heartbeat_interval: float = 10.0
+    heartbeat_interval: float = 2.0  # also how soon a `batchrun cancel` from elsewhere stops the sending
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
     lease_seconds: float | None = None  # None: the spec's; how soon a killed run's items come back
@@ -180,6 +181,7 @@ class _ItemWork:
     followups: list[tuple[str, str]] = field(default_factory=list)
     lost: bool = False  # a heartbeat found the item no longer leased to this run: send it no more
     last_attempt: AttemptRecord | None = None
+    last_error: ProviderError | None = None  # kept on the item if it goes back to pending
     input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float | None = None  # None until an attempt had a price
@@ -239,6 +241,7 @@ class JobRunner:
             ledger, ride_out_seconds=self.options.ledger_retry_seconds, thread_name="batchrun-bucket"
         )
         self.health = Health(spec.run)
+        self.refusals: Refusals[_ItemWork] = Refusals()
         budget_at = budget_price(spec)  # SpecError here, before anything is sent, if a budget has no price
         self.admission = Admission(
             AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency),
@@ -442,6 +445,8 @@ class JobRunner:
                     task.cancel()
                 if pending:
                     await asyncio.wait(pending)
+            # Refusals still held: out of work, they were the items' own; stopped, they are not judged.
+            self._settle_refused(failed=not self.stopping)
 
     def _look_up(self, claimed: list[ClaimedItem]) -> tuple[list[_ItemWork], list[tuple[_ItemWork, CachedAnswer]]]:
         """Key each claimed item by its first request; split off those already answered in the ledger.
@@ -535,6 +540,16 @@ class JobRunner:
         except BudgetExceededError as exc:
             self.request_stop(exc.stop_reason, exc.message)
             self._put_back(work)
+        except PermanentError as exc:
+            if not self.refusals.hold(work, exc):
+                self._finish(work, ItemState.FAILED, error=exc)
+                return
+            stop = self.refusals.verdict()
+            if stop is not None:
+                self.request_stop(StopReason.REFUSED, stop)
+                self._settle_refused(failed=False)
+            elif self.refusals.decided:
+                self._settle_refused(failed=True)
         except ProviderError as exc:
             self._finish(work, ItemState.FAILED, error=exc)
         except asyncio.CancelledError:
@@ -621,6 +636,7 @@ class JobRunner:
         )
         if error is not None:
             log.debug("item %s attempt failed: %s", work.item.custom_id, error.message)
+            work.last_error = error
             raise error
         assert reply is not None
         return reply
@@ -650,6 +666,9 @@ class JobRunner:
             return False
         work.counted += 1
         if error is None:
+            if not self.refusals.decided:  # the endpoint answers: the refusals so far were the items' own
+                self.refusals.decided = True
+                self._settle_refused(failed=True)
             self.health.note_latency(latency_s)
             self.admission.on_answer(reply.limits.remaining_requests if reply and reply.limits else None, latency_s)
         return True
@@ -720,9 +739,22 @@ class JobRunner:
 
     # -- outcomes -----------------------------------------------------------
 
+    def _settle_refused(self, *, failed: bool) -> None:
+        """The items held by the refusal watcher: failed with their errors, or back to pending."""
+        for work, error in self.refusals.release():
+            if failed:
+                self._finish(work, ItemState.FAILED, error=error)
+            else:
+                self._put_back(work)
+
     def _put_back(self, work: _ItemWork) -> None:
         self.tenure.settle(work)
-        self._outcomes.append(Outcome(work.item.id, ItemState.PENDING, work.counted, claim=work.item.claim))
+        outcome = Outcome(work.item.id, ItemState.PENDING, work.counted, claim=work.item.claim)
+        if work.last_error is not None:  # why it is not done yet: status and report show it
+            error = work.last_error
+            outcome.status_code, outcome.error_class, outcome.error_message = (
+                error.status_code, error.error_class, error.message)
+        self._outcomes.append(outcome)
         self.stats.done["released"] += 1
         self._maybe_flush()
 
@@ -848,7 +880,16 @@ class JobRunner:
     # -- the lock and the leases (their fences: batchrun.tenure) --------------
 
     async def _renew_leases(self) -> dict[int, int]:
-        """The heartbeat in the ledger: the lock (an exclusive run) and the leases renewed; the items still held."""
+        """The heartbeat in the ledger: the lock (an exclusive run) and the leases renewed; the items still held.
+
+        A ``batchrun cancel`` since the run started stops it: nothing more is sent (the cancelled items
+        are no longer held), and answers already in flight are recorded."""
+        if not self.stopping and await self._ledger(self.ledger.cancelled_since, self.job.id, self.stats.started_at):
+            self.request_stop(
+                StopReason.CANCELLED,
+                f"job {self.job.id} was cancelled (batchrun cancel) while this run worked it: nothing more was "
+                "sent, answers already in flight were recorded",
+            )
         return await self._ledger(
             lambda: self.ledger.heartbeat(self.job.id, self.run_id, self.lease_seconds, exclusive=self.options.exclusive)
         )

@@ -137,6 +137,8 @@ class RunSpec:
     tpm: float = 0.0  # tokens per minute (prompt estimate + max_tokens, corrected from usage); 0 = no limit
     max_runtime: float = 0.0  # seconds a run may work before it stops cleanly (exit 75); 0 = no limit
     outage_seconds: float = 300.0  # every request failing this long: stop with exit 75, items pending
+    # A run that never had a clean answer and cannot connect (refused, DNS, TLS) stops this soon instead.
+    connect_grace: float = 30.0
     stream: bool = False  # ask for server-sent events: time to first token and per output token are recorded
     # The job's total spend cap in USD (exit 4 when the next request's worst case does not fit);
     # 0 = no budget. Written in a spec or given as --budget-usd it must be > 0.
@@ -691,7 +693,7 @@ def _check_run(run: RunSpec, where: str) -> None:
     for key in ("concurrency", "max_attempts", "max_line_bytes"):
         if getattr(run, key) < 1:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected an integer >= 1")
-    for key in ("timeout", "connect_timeout", "lease_seconds", "outage_seconds"):
+    for key in ("timeout", "connect_timeout", "lease_seconds", "outage_seconds", "connect_grace"):
         if getattr(run, key) <= 0:
             raise SpecError(f"{where}: [run] {key} = {getattr(run, key)}: expected a number of seconds > 0")
     for key in ("grace_seconds", "hang_factor", "hang_min_seconds", "rpm", "tpm", "max_runtime"):

@@ -33,7 +33,7 @@ FINISHED_STATES: tuple[ItemState, ...] = (
 WORKED_STATES: tuple[ItemState, ...] = (ItemState.SUCCEEDED, ItemState.FAILED, ItemState.INVALID_OUTPUT)
 # Sent again only when the user asks (`batchrun retry`): re-running them costs money. Not to be
 # confused with a retryable error (errors.RetryableError), which the run retries by itself.
-USER_RETRYABLE_STATES: tuple[ItemState, ...] = (ItemState.FAILED, ItemState.INVALID_OUTPUT)
+USER_RETRYABLE_STATES: tuple[ItemState, ...] = (ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.CANCELLED)
 # The items of an errors file.
 ERROR_STATES: tuple[ItemState, ...] = (ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED)
 
@@ -75,6 +75,8 @@ class StopReason(StrEnum):
     SIGNAL = "signal"  # SIGINT/SIGTERM
     DEADLINE = "deadline"  # --max-runtime
     AUTH = "auth"  # the provider refused the key
+    REFUSED = "refused"  # the first requests were all refused the same way (a wrong model, path or parameter)
+    CANCELLED = "cancelled"  # `batchrun cancel` cancelled the job's items while the run worked them
     BUDGET = "budget"  # the next request's worst case did not fit in the job's budget
     OUTAGE = "outage"  # every request failed for outage_seconds
     LOCK_LOST = "lock_lost"  # it stalled past its lock's staleness and another run took the job over
@@ -91,14 +93,14 @@ class ExitCode(IntEnum):
     OK = 0  # every item succeeded
     SOME_FAILED = 1  # finished; some items failed, invalid, rejected or cancelled
     USAGE = 2  # usage, spec or input error; nothing was sent
-    AUTH = 3  # stopped: authentication refused
+    AUTH = 3  # stopped: authentication refused, or every request refused the same way (model, path, parameter)
     BUDGET = 4  # stopped: budget reached
     TEMPFAIL = 75  # stopped early with work left (signal, --max-runtime, job locked): resume later
 
 
 def exit_code_for(counts: Mapping[str, int], stop_reason: str | None, *, ingest_done: bool = True) -> ExitCode:
     """A run's exit code from its job's item counts and why it stopped."""
-    if stop_reason == StopReason.AUTH:
+    if stop_reason in (StopReason.AUTH, StopReason.REFUSED):
         return ExitCode.AUTH
     if stop_reason == StopReason.BUDGET:
         return ExitCode.BUDGET

@@ -36,7 +36,15 @@ from batchrun import interrupt
 from batchrun.batch import BatchOptions, BatchRunner
 from batchrun.errors import BatchrunError, ExportWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
-from batchrun.export import ExportResult, check_format, check_target, export_command, export_job
+from batchrun.export import (
+    ExportResult,
+    check_format,
+    check_target,
+    export_command,
+    export_job,
+    refuse_input,
+)
+from batchrun.hints import command
 from batchrun.ingest import BackgroundIngest, IngestStats
 from batchrun.jobs import (
     PreparedJob,
@@ -48,6 +56,7 @@ from batchrun.jobs import (
     run_job,
 )
 from batchrun.ledger import Ledger, LedgerQueries
+from batchrun.providers import missing_api_key
 from batchrun.providers.http import Sender
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import JobSpec, Overrides
@@ -107,10 +116,10 @@ class SubmitResult:
 
 @dataclass(frozen=True)
 class _Target:
-    """Where a finished job is exported (nowhere without ``output``)."""
+    """Where a finished job is exported (nowhere without ``output``); ``fmt`` None: not said (results)."""
 
     output: PathArg | None
-    fmt: str
+    fmt: str | None
     errors: PathArg | None
     force: bool
 
@@ -119,13 +128,29 @@ class _Target:
             raise UsageError("--output -: a submit or resume writes its output to a file; "
                              "for standard output, run: batchrun export JOB --output -")
 
-    def check(self, ledger: Ledger, job_id: int) -> None:
-        """Refuse an unknown format and output files we may not replace, before anything is sent."""
-        if self.output:
-            check_format(self.fmt)
-        for target in (self.output, self.errors):
-            if target:
-                check_target(ledger, job_id, Path(target).absolute(), force=self.force)
+    @property
+    def format(self) -> str:
+        return self.fmt or "results"
+
+    def for_job(self, ledger: Ledger, job_id: int) -> _Target:
+        """This target checked for the job and remembered by it; without ``output``, the one the job
+        remembers (its format and errors file unless given now). Refuses an unknown format and output
+        files we may not replace, before anything is sent."""
+        target = self
+        if self.output is None:
+            remembered = ledger.export_target(job_id)
+            if remembered is not None:
+                output, fmt, remembered_errors = remembered
+                target = _Target(output, self.fmt or fmt, self.errors or remembered_errors, self.force)
+        if target.output:
+            check_format(target.format)
+        for path in (target.output, target.errors):
+            if path:
+                check_target(ledger, job_id, Path(path).absolute(), force=target.force)
+        if self.output is not None:
+            errors = str(Path(self.errors).absolute()) if self.errors else None
+            ledger.set_export_target(job_id, str(Path(self.output).absolute()), self.format, errors)
+        return target
 
 
 def submit(
@@ -134,7 +159,7 @@ def submit(
     input_path: InputArg,
     *,
     output: PathArg | None = None,
-    fmt: str = "results",
+    fmt: str | None = None,
     errors: PathArg | None = None,
     force: bool = False,
     schema: type | Mapping[str, Any] | None = None,
@@ -147,6 +172,7 @@ def submit(
     sender: Sender | None = None,
     batch: BatchOptions | None = None,
     handle_signals: bool = False,
+    require_key: bool = False,
     on_prepared: OnPrepared | None = None,
     on_start: OnStart | None = None,
 ) -> SubmitResult:
@@ -159,16 +185,24 @@ def submit(
     with no line to send (empty, unless ``allow_empty``, or every line rejected)
     creates no job: InputError.
     ``overrides`` are the run-time settings that win over the stored spec.
-    ``on_prepared`` gets the job once it is stored, before the run.
+    ``on_prepared`` gets the job once it is stored, before the run. With ``require_key`` (the
+    command line), a run whose API key variable is not set is refused (SpecError, exit 2) before
+    the job is stored.
     """
     target = _Target(output, fmt, errors, force)
     spec = spec.with_output_schema(schema) if schema is not None else spec
+    if require_key and run:
+        _require_key(spec)
+    if isinstance(input_path, (str, os.PathLike)) and str(input_path) != "-":
+        for path in (output, errors):
+            if path:  # refused before the job is stored
+                refuse_input(path, input_path)
     if handle_signals:
         interrupt.stop_point("before the job was stored (nothing was sent); run the same command again to carry on")
     path = input_file(ledger, input_path)
     with _holding(handle_signals) as should_stop:
         prepared, feed = _prepare(ledger, spec, path, new, strict, allow_empty, run, overrides, should_stop)
-        _check_target(ledger, target, prepared, feed, path, should_stop)
+        target = _check_target(ledger, target, prepared, feed, path, should_stop)
     if on_prepared:
         on_prepared(prepared)
     if not run:
@@ -185,7 +219,7 @@ def resume(
     job_id: int,
     *,
     output: PathArg | None = None,
-    fmt: str = "results",
+    fmt: str | None = None,
     errors: PathArg | None = None,
     force: bool = False,
     overrides: Overrides | None = None,
@@ -193,18 +227,22 @@ def resume(
     sender: Sender | None = None,
     batch: BatchOptions | None = None,
     handle_signals: bool = False,
+    require_key: bool = False,
     on_start: OnStart | None = None,
 ) -> SubmitResult:
     """Carry on job ``job_id``: finish an ingest a crash interrupted, work what is left, export to ``output``.
 
     Finished items are never sent again; pending ones and those a dead run left
-    running are. JobNotFoundError for an unknown job.
+    running are. JobNotFoundError for an unknown job; with ``require_key``, SpecError
+    (exit 2) before anything is sent when the job's API key variable is not set.
     """
     target = _Target(output, fmt, errors, force)
     if handle_signals:
-        interrupt.stop_point(f"before the run started; carry on with: batchrun resume {job_id}")
-    ledger.get_job(job_id)
-    target.check(ledger, job_id)
+        interrupt.stop_point(f"before the run started; carry on with: {command(ledger.url, 'resume', job_id)}")
+    job = ledger.get_job(job_id)
+    if require_key:
+        _require_key(job.spec, job_id)
+    target = target.for_job(ledger, job_id)
     with _holding(handle_signals) as should_stop:
         feed, _ = _rest_of_ingest(ledger, job_id, None, True, overrides, should_stop)
     return _run_and_export(
@@ -220,7 +258,7 @@ async def submit_async(
     input_path: InputArg,
     *,
     output: PathArg | None = None,
-    fmt: str = "results",
+    fmt: str | None = None,
     errors: PathArg | None = None,
     force: bool = False,
     schema: type | Mapping[str, Any] | None = None,
@@ -242,7 +280,7 @@ async def submit_async(
     prepared, feed = await asyncio.to_thread(
         _prepare, ledger, spec, path, new, strict, allow_empty, run, overrides, None
     )
-    await asyncio.to_thread(_check_target, ledger, target, prepared, feed, path, None)
+    target = await asyncio.to_thread(_check_target, ledger, target, prepared, feed, path, None)
     if on_prepared:
         on_prepared(prepared)
     if not run:
@@ -257,7 +295,7 @@ async def resume_async(
     job_id: int,
     *,
     output: PathArg | None = None,
-    fmt: str = "results",
+    fmt: str | None = None,
     errors: PathArg | None = None,
     force: bool = False,
     overrides: Overrides | None = None,
@@ -269,7 +307,7 @@ async def resume_async(
     """:func:`resume` on the running loop: the ingest and the export run in a thread; no signal handlers."""
     target = _Target(output, fmt, errors, force)
     await asyncio.to_thread(ledger.get_job, job_id)
-    await asyncio.to_thread(target.check, ledger, job_id)
+    target = await asyncio.to_thread(target.for_job, ledger, job_id)
     feed, _ = await asyncio.to_thread(_rest_of_ingest, ledger, job_id, None, True, overrides, None)
     summary = await _work(ledger, job_id, overrides, options or RunOptions(command="resume"), sender,
                           batch, on_start, feed, handle_signals=False)
@@ -283,6 +321,12 @@ def input_file(ledger: Ledger, input_path: InputArg) -> PathArg:
     from batchrun.spool import spool_dir, spool_records
 
     return spool_records(spool_dir(ledger.url), input_path)
+
+
+def _require_key(spec: JobSpec, job_id: int | None = None) -> None:
+    missing = missing_api_key(spec, job_id=job_id)
+    if missing is not None:
+        raise missing
 
 
 def _prepare(
@@ -326,11 +370,11 @@ def _check_target(
     feed: BackgroundIngest | None,
     path: PathArg,
     should_stop: Callable[[], bool] | None,
-) -> None:
-    """:meth:`_Target.check`; a refused target still leaves the job wholly stored (as a submit that
+) -> _Target:
+    """:meth:`_Target.for_job`; a refused target still leaves the job wholly stored (as a submit that
     ingests before its run does), so that fixing the command carries it on with nothing to read."""
     try:
-        target.check(ledger, prepared.job_id)
+        return target.for_job(ledger, prepared.job_id)
     except BatchrunError:
         if feed is not None:
             finish_interrupted_ingest(ledger, prepared.job_id, should_stop, input_path=path)
@@ -374,7 +418,8 @@ def _run_and_export(
         stored = _as_stored(ledger, job_id, prepared)
         return dataclasses.replace(
             stored, exit_code=ExitCode.TEMPFAIL, stop_reason=StopReason.SIGNAL,
-            error=StoppedError(f"stopped by {name} before the run started; carry on with: batchrun resume {job_id}"),
+            error=StoppedError(f"stopped by {name} before the run started; "
+                               f"carry on with: {command(ledger.url, 'resume', job_id)}"),
         )
     summary = run_sync(_work(ledger, job_id, overrides, options, sender, batch, on_start, feed,
                              handle_signals=handle_signals))
@@ -434,10 +479,10 @@ def _finish(
     job_id, output = summary.job_id, target.output
     if output and summary.exit_code in (ExitCode.OK, ExitCode.SOME_FAILED):
         try:
-            exported = export_job(ledger, job_id, output, fmt=target.fmt, errors=target.errors, force=target.force,
+            exported = export_job(ledger, job_id, output, fmt=target.format, errors=target.errors, force=target.force,
                                   should_stop=should_stop)
         except StoppedError as exc:
-            again = export_command(job_id, output, target.fmt, target.errors)
+            again = export_command(job_id, output, target.format, target.errors, ledger_url=ledger.url)
             error = StoppedError(f"{interrupt.received() or 'signal'}: {exc.message}; job {job_id} is finished; "
                                  f"write the output with: {again}")
         except ExportWriteError as exc:

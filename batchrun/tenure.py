@@ -152,7 +152,8 @@ class Tenure:
             work.lost = True
         if taken:
             log.warning(
-                "%d items were taken from this run (their lease lapsed while it was stalled), e.g. %s; "
+                "%d items were taken from this run (their lease lapsed while it was stalled, or the job was "
+                "cancelled), e.g. %s; "
                 "not sending them again", len(taken), taken[0].item.custom_id, extra={"job": self.job_id},
             )
         self.wake()

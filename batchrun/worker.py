@@ -55,7 +55,7 @@ from batchrun.ledger import (
     is_database_error,
     resolve_db_url,
 )
-from batchrun.providers import provider_for
+from batchrun.providers import missing_api_key, provider_for
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides
 from batchrun.states import ExitCode, StopReason, exit_code_for
@@ -77,6 +77,7 @@ class WorkerOptions:
     ledger_retry_seconds: float = LEDGER_RETRY_SECONDS
     job_backoff_seconds: float = 300.0
     transport: str = "aiohttp"
+    require_key: bool = False  # a job whose API key variable is not set is backed off, naming it (the command)
 
 
 @dataclass
@@ -264,6 +265,9 @@ class Worker:
                     spec.run, max_runtime=0.0, concurrency=min(spec.run.concurrency, self.options.concurrency)
                 ),
             )
+            missing = missing_api_key(spec, job_id=job_id) if self.options.require_key else None
+            if missing is not None:
+                raise missing
             provider = provider_for(spec)
         except BatchrunError as exc:
             self._back_off(job_id, exc.message)
@@ -301,7 +305,8 @@ class Worker:
         counts = await self._db.call(LedgerQueries(self.ledger.engine).counts, job_id)
         code = exit_code_for(counts, result.stop_reason, ingest_done=job.ingest_done)
         await self._db.call(self.ledger.end_run, job_id, result.run_id, code)
-        if result.stop_reason in (StopReason.AUTH, StopReason.OUTAGE, StopReason.ERROR, StopReason.BUDGET):
+        if result.stop_reason in (StopReason.AUTH, StopReason.REFUSED, StopReason.OUTAGE, StopReason.ERROR,
+                                  StopReason.BUDGET):
             self._back_off(job_id, result.stop_message or result.stop_reason or "")
 
     def _back_off(self, job_id: int, why: str) -> None:

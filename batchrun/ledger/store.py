@@ -29,6 +29,7 @@ from sqlalchemy import (
     Engine,
     Float,
     bindparam,
+    delete,
     exists,
     extract,
     func,
@@ -46,6 +47,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerBusyError, LockLostError
+from batchrun.hints import command
 from batchrun.ledger.basics import RETRY_FILTERS
 from batchrun.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE_OPTION, open_engine
 from batchrun.ledger.models import attempts as attempts_t
@@ -75,6 +77,11 @@ _FOLDS = (
     f"SELECT :job, {', '.join(f'sum({c})' for c in _TOTALS)}, min(first_started_at), max(last_started_at) "
     "FROM gone HAVING count(*) > 0",
 )
+
+# An ``exports`` row with this hash is not a file written but where the job is to be written
+# (Ledger.set_export_target); ERRORS_TARGET is the format of its errors file's row.
+TARGET_SHA = ""
+ERRORS_TARGET = "errors"
 
 
 @dataclass(frozen=True)
@@ -208,7 +215,11 @@ FINAL_COLUMNS = (
 BACK_COLUMNS = ("status_code", "error_class", "error_message")
 _NOT_FINAL = (ItemState.PENDING, ItemState.RUNNING)  # outcomes that leave the item unanswered
 # States in which an item has no answer: a success may land there, whoever holds the item.
-UNANSWERED = (ItemState.PENDING, ItemState.RUNNING, ItemState.SUBMITTED, ItemState.FAILED, ItemState.INVALID_OUTPUT)
+# A cancelled item too: an answer in flight when the user cancelled was paid for, and is kept.
+UNANSWERED = (
+    ItemState.PENDING, ItemState.RUNNING, ItemState.SUBMITTED, ItemState.FAILED, ItemState.INVALID_OUTPUT,
+    ItemState.CANCELLED,
+)
 _ATTEMPT_COLUMNS = tuple(f.name for f in dataclasses.fields(AttemptRecord) if f.name != "counted")
 # The writer's hot path on SQLite goes straight to the driver's executemany (as ingest does):
 # SQLAlchemy's per-row parameter processing cost about as much as the writes themselves.
@@ -265,12 +276,13 @@ def _bind(outcome: Outcome) -> dict[str, Any]:
     return params
 
 
-def job_locked(job_id: int, holder: LockHolder) -> JobLockedError:
-    """The job is another live run's: whose, since when."""
+def job_locked(job_id: int, holder: LockHolder, ledger_url: str | None = None) -> JobLockedError:
+    """The job is another live run's: whose, since when; and (knowing the ledger) the command to try again."""
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.since))
+    again = f": {command(ledger_url, 'resume', job_id)}" if ledger_url else ""
     return JobLockedError(
         f"job {job_id} is being worked by run {holder.run_id} "
-        f"(pid {holder.pid} on {holder.host}, since {since}); try again later"
+        f"(pid {holder.pid} on {holder.host}, since {since}); try again later{again}"
     )
 
 
@@ -642,7 +654,7 @@ class Ledger:
                     dead = holder.host == host and not _pid_alive(holder.pid)
                     stale = now - holder.heartbeat > stale_after
                     if not (dead or stale):
-                        raise job_locked(job_id, holder)
+                        raise job_locked(job_id, holder, self.url)
                 conn.execute(
                     update(jobs_t)
                     .where(jobs_t.c.id == job_id)
@@ -678,6 +690,16 @@ class Ledger:
             ).all()
         self.fold_counts(job_id)
         return {int(item_id): int(claim or 0) for item_id, claim in held}
+
+    def cancelled_since(self, job_id: int, since: float) -> bool:
+        """Whether ``batchrun cancel`` cancelled items of the job at or after ``since`` (a run watches for it)."""
+        with self.engine.connect() as conn:
+            return conn.execute(
+                select(items_t.c.id)
+                .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.CANCELLED,
+                       items_t.c.finished_at >= since)
+                .limit(1)
+            ).first() is not None
 
     def end_run(self, job_id: int, run_id: str, exit_code: int) -> None:
         with self._write() as conn:
@@ -1052,6 +1074,35 @@ class Ledger:
                     job_id=job_id, path=path, format=fmt, sha256=sha256, lines=lines, created_at=time.time()
                 )
             )
+
+    def set_export_target(self, job_id: int, path: str, fmt: str, errors: str | None) -> None:
+        """Remember where the job is to be exported (``submit`` / ``resume --output``), so a later
+        ``resume JOB`` writes the same files. Kept in ``exports`` as rows with no content hash
+        (:data:`TARGET_SHA`: never a file's hash); the newest such row is the target."""
+        now = time.time()
+        rows = [{"job_id": job_id, "path": path, "format": fmt, "sha256": TARGET_SHA, "lines": 0, "created_at": now}]
+        if errors:
+            rows.append({"job_id": job_id, "path": errors, "format": ERRORS_TARGET, "sha256": TARGET_SHA, "lines": 0,
+                         "created_at": now})
+        with self._write() as conn:
+            conn.execute(
+                delete(exports_t).where(exports_t.c.job_id == job_id, exports_t.c.sha256 == TARGET_SHA)
+            )
+            conn.execute(insert(exports_t), rows)
+
+    def export_target(self, job_id: int) -> tuple[str, str, str | None] | None:
+        """Where the job is to be exported: (output, format, errors file or None); None if never said."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(exports_t.c.path, exports_t.c.format)
+                .where(exports_t.c.job_id == job_id, exports_t.c.sha256 == TARGET_SHA)
+                .order_by(exports_t.c.id)
+            ).all()
+        output = next(((path, fmt) for path, fmt in rows if fmt != ERRORS_TARGET), None)
+        if output is None:
+            return None
+        errors = next((path for path, fmt in rows if fmt == ERRORS_TARGET), None)
+        return output[0], output[1], errors
 
     def is_export_of(self, job_id: int, sha256: str) -> bool:
         """Whether a file with this content is one of this job's own exports."""

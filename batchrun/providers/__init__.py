@@ -36,6 +36,22 @@ def provider_for(spec: JobSpec, *, api_key: str | None = None, read_key: bool = 
     return provider
 
 
+def missing_api_key(spec: JobSpec, *, job_id: int | None = None) -> SpecError | None:
+    """SpecError naming the key variable the spec reads and the environment lacks (None: it is set,
+    or ``api_key_env = ""`` says the server needs no key). Asked before anything is sent."""
+    name = spec.provider.api_key_env
+    if not name or os.environ.get(name):
+        return None
+    if job_id is None:
+        fix = (f'export {name}=..., or set api_key_env = "" under [provider] in '
+               f"{spec.path or 'the spec'} for a server that needs no key")
+        return SpecError(f"the API key variable {name} is not set; nothing was sent: {fix}")
+    return SpecError(
+        f"the API key variable {name} that job {job_id} reads is not set; nothing was sent: export {name}=... "
+        "(any value for a server that needs no key) and run the same command again"
+    )
+
+
 def batch_api_for(
     spec: JobSpec, provider: Provider, *, transport: httpx.AsyncBaseTransport | None = None,
     retry_seconds: float = 300.0,
@@ -50,4 +66,4 @@ def batch_api_for(
     return api
 
 
-__all__ = ["PreparedRequest", "Provider", "Reply", "batch_api_for", "provider_for"]
+__all__ = ["PreparedRequest", "Provider", "Reply", "batch_api_for", "missing_api_key", "provider_for"]

@@ -28,7 +28,7 @@ from tenacity.wait import wait_base
 
 from batchrun.errors import PermanentError, ProviderError, RetryableError
 from batchrun.providers.base import PreparedRequest, Provider
-from batchrun.providers.http import transport_error_class
+from batchrun.providers.http import transport_error_class, transport_error_what
 
 if TYPE_CHECKING:
     from batchrun.ledger.shards import ShardRecord
@@ -315,8 +315,7 @@ class BatchHttp:
 
 def _transport_error(exc: httpx.TransportError) -> RetryableError:
     error_class = transport_error_class(exc)
-    what = "timed out" if error_class == "timeout" else "connection failed"
-    return RetryableError(f"{what}: {exc or type(exc).__name__}", error_class=error_class)
+    return RetryableError(f"{transport_error_what(error_class)}: {exc or type(exc).__name__}", error_class=error_class)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,8 @@ import asyncio
 import dataclasses
 import email.utils
 import functools
+import socket
+import ssl
 import time
 from types import TracebackType
 from typing import Any
@@ -18,7 +20,7 @@ import aiohttp
 import httpx
 from httpx_sse import EventSource, SSEError
 
-from batchrun.errors import AuthError, PermanentError, ProviderError, RateLimitedError, RetryableError
+from batchrun.errors import CONNECT_ERRORS, AuthError, PermanentError, ProviderError, RateLimitedError, RetryableError
 from batchrun.providers.base import PreparedRequest, Provider, Reply
 from batchrun.redact import contains_secret, redact, redact_optional
 from batchrun.spec import JobSpec
@@ -124,8 +126,7 @@ class Sender:
             raise RetryableError(f"no complete answer within {total_timeout:g} s", error_class="timeout") from exc
         except (httpx.TransportError, aiohttp.ClientError, OSError) as exc:
             error_class = transport_error_class(exc)
-            what = "timed out" if error_class == "timeout" else "connection failed"
-            raise RetryableError(f"{what}: {_describe(exc)}", error_class=error_class) from exc
+            raise RetryableError(f"{transport_error_what(error_class)}: {_describe(exc)}", error_class=error_class) from exc
         latency_ms = (time.perf_counter() - started) * 1000.0
         try:
             reply = provider.parse(response.status_code, response.headers, content, latency_ms=latency_ms)
@@ -182,7 +183,8 @@ def error_for_status(status_code: int, headers: httpx.Headers, message: str, bod
 
 
 def transport_error_class(exc: BaseException) -> str:
-    """``timeout`` or ``connection``, judged by the underlying error.
+    """``timeout``, ``connection_refused``, ``dns``, ``tls`` or ``connection`` (a reset, anything
+    else), judged by the underlying errors.
 
     httpx-aiohttp maps every aiohttp connection error (a reset included) to
     httpx.ConnectTimeout, so the aiohttp cause decides when there is one.
@@ -190,9 +192,34 @@ def transport_error_class(exc: BaseException) -> str:
     cause = exc.__cause__
     if isinstance(cause, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return "timeout"
+    for err in _chain(exc):
+        if isinstance(err, (ssl.SSLError, ssl.CertificateError, aiohttp.ClientSSLError)):
+            return "tls"
+        if isinstance(err, socket.gaierror):
+            return "dns"
+        if isinstance(err, ConnectionRefusedError):
+            return "connection_refused"
     if isinstance(cause, (aiohttp.ClientError, OSError)):
         return "connection"
     return "timeout" if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)) else "connection"
+
+
+def transport_error_what(error_class: str) -> str:
+    """The words a transport error's message starts with."""
+    return "timed out" if error_class == "timeout" else CONNECT_ERRORS.get(error_class, "connection failed")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc``, its causes and contexts, and the OS errors aiohttp wraps (``os_error``), a few deep."""
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo and len(seen) < 12:
+        err = todo.pop()
+        if err is None or any(err is s for s in seen):
+            continue
+        seen.append(err)
+        todo += [err.__cause__, err.__context__, getattr(err, "os_error", None)]
+    return seen
 
 
 def _http_request(request: PreparedRequest, timeouts: dict[str, Any]) -> httpx.Request:

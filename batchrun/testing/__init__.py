@@ -102,7 +102,8 @@ OpenAI clients use ``http://127.0.0.1:8000/v1`` as base URL, Anthropic clients
 
 from batchrun.testing.answers import default_key_fn
 from batchrun.testing.faults import BatchFaults, Faults
+from batchrun.testing.refusals import Refusals
 from batchrun.testing.request_log import RequestRecord
 from batchrun.testing.server import FakeProviderServer
 
-__all__ = ["BatchFaults", "FakeProviderServer", "Faults", "RequestRecord", "default_key_fn"]
+__all__ = ["BatchFaults", "FakeProviderServer", "Faults", "Refusals", "RequestRecord", "default_key_fn"]

@@ -8,6 +8,7 @@ import sys
 import threading
 
 from batchrun.testing.faults import BatchFaults, Faults
+from batchrun.testing.refusals import Refusals
 from batchrun.testing.server import FakeProviderServer
 
 
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="seconds slept between a stream's content deltas")
     serve.add_argument("--api-key", default=None,
                        help="require this key (Authorization: Bearer / x-api-key), else 401")
+    serve.add_argument("--models", default=None, metavar="M1,M2",
+                       help="only these models exist: a request for any other gets a 404")
     serve.add_argument("--seed", type=int, default=None)
     serve.add_argument("--log", default=None,
                        help="append one JSON line per request (and per answered batch line) here")
@@ -116,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    refusals = Refusals(models=frozenset(args.models.split(",")) if args.models else None)
     with FakeProviderServer(faults, port=args.port, log_path=args.log, api_key=args.api_key,
-                            batch_faults=batch_faults, batch_state_dir=args.batch_state) as server:
+                            batch_faults=batch_faults, batch_state_dir=args.batch_state, refusals=refusals) as server:
         print(f"listening on {server.base_url}", flush=True)
         while not stop.wait(0.5):
             pass

@@ -294,6 +294,11 @@ class InMemoryLedger:
                     held[item["id"]] = item["lease_claim"] or 0
             return held
 
+    def cancelled_since(self, job_id: int, since: float) -> bool:
+        with self._lock:
+            return any(item["state"] == ItemState.CANCELLED and (item["finished_at"] or 0.0) >= since
+                       for item in self._job(job_id).items)
+
     def release_held(self, job_id: int, run_id: str) -> int:
         with self._lock:
             mine = [i for i in self._running(job_id) if i["lease_owner"] == run_id]

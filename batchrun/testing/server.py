@@ -20,6 +20,7 @@ from batchrun.testing.answers import Answer, default_key_fn, messages_key
 from batchrun.testing.api import Api, spoil_frame
 from batchrun.testing.faults import BatchFaults, Faults, RequestWindow, content_fault, fate
 from batchrun.testing.openai import ChatApi, ResponsesApi
+from batchrun.testing.refusals import Refusals
 from batchrun.testing.request_log import RequestRecord, new_record
 if TYPE_CHECKING:
     from batchrun.testing.batch_service import BatchService
@@ -66,8 +67,11 @@ class FakeProviderServer:
         api_key: str | None = None,
         batch_faults: BatchFaults | None = None,
         batch_state_dir: str | os.PathLike[str] | None = None,
+        refusals: Refusals | None = None,
     ) -> None:
         self.faults: Faults = faults if faults is not None else Faults()
+        # the client errors it answers (a model that does not exist, ...); may be replaced while running
+        self.refusals: Refusals = refusals if refusals is not None else Refusals()
         # the batch APIs' timing and faults; may be replaced while running
         self.batch_faults: BatchFaults = batch_faults if batch_faults is not None else BatchFaults()
         self.port: int = port
@@ -420,6 +424,9 @@ class FakeProviderServer:
                 outcome, status = "unauthorized", 401
             elif (err_msg := api.validate(obj, headers)) is not None:
                 outcome, status = "bad_request", 400
+            elif (refused := self.refusals.refuse(obj)) is not None:
+                status, err_msg = refused
+                outcome = "not_found" if status == 404 else "bad_request"
             else:
                 outcome, status, retry_after = fate(
                     f, u, now_m - self._t0, self._window, now_m, api.overloaded_status, stream)

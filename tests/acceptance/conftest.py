@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     env["HOME"] = str(tmp_path / "home")  # the default ledger location lands here, never in the real home
     env.pop("XDG_DATA_HOME", None)
     env["OPENAI_API_KEY"] = "sk-test-not-a-real-key"
+    env["ANTHROPIC_API_KEY"] = "sk-ant-test-not-a-real-key"
     return env
 
 
@@ -33,6 +35,13 @@ def start_cli(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         batchrun_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(tmp_path)
     )
+
+
+def wait_for_requests(server: FakeProviderServer, n: int, timeout: float = 30) -> None:
+    """Until the server has logged ``n`` requests (or ``timeout`` seconds passed)."""
+    deadline = time.monotonic() + timeout
+    while len(server.log) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 @pytest.fixture

@@ -123,9 +123,9 @@ def test_export_never_clobbers_a_foreign_file(tmp_path: Path, server: FakeProvid
         (["submit", "nope.toml", "--input", "x.jsonl"], "nope.toml: no such spec file"),
         (["submit", "--input", "x.jsonl"], "--base-url is required"),
         (["submit", "--input", "missing.jsonl", "--base-url", "http://127.0.0.1:9/v1"], "missing.jsonl: no such input file"),
-        (["resume", "42"], "no job 42 in ledger"),
-        (["status", "7"], "no job 7 in ledger"),
-        (["retry", "1", "--state", "succeeded"], "only failed, invalid_output can be retried"),
+        (["resume", "42"], "no ledger at"),
+        (["status", "7"], "no ledger at"),
+        (["retry", "1", "--state", "succeeded"], "only failed, invalid_output, cancelled can be retried"),
         (["submit", "--input", "x.jsonl", "--base-url", "http://127.0.0.1:9/v1", "--db", "postgresql+psycopg://u:pw@127.0.0.1:1/x"],
          "cannot open ledger postgresql+psycopg://u:***@127.0.0.1:1/x"),
     ],
@@ -428,7 +428,8 @@ def test_sigterm_while_reading_a_big_input_exits_75_and_carries_on(tmp_path: Pat
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["status", "--db", "/etc/passwd/x.db"], "cannot open ledger"),
+        (["db", "upgrade", "--db", "/etc/passwd/x.db"], "cannot open ledger"),
+        (["status", "--db", "/etc/passwd/x.db"], "no ledger at /etc/passwd/x.db"),
         (["submit", "--input", "x.jsonl", "--base-url", "http://[::1/v1"], "not a valid URL"),
         (["submit", "--input", "x.jsonl", "--base-url", "http://127.0.0.1:99999/v1"], "port 99999 is out of range"),
     ],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import orjson
 
-from batchrun.testing import FakeProviderServer, Faults
+from batchrun.testing import FakeProviderServer, Refusals
 
 from .conftest import batchrun_cmd, cli_env, run_cli
 from .test_cli import write_records, write_spec
@@ -15,7 +15,7 @@ from .test_cli import write_records, write_spec
 
 def test_show_a_failed_item_and_browse_by_state(tmp_path: Path) -> None:
     db = tmp_path / "l.db"
-    with FakeProviderServer(Faults(status_override=400)) as server:  # every request refused: permanent
+    with FakeProviderServer(refusals=Refusals(over_context="")) as server:  # every request refused: permanent
         spec = write_spec(tmp_path, server)
         proc = run_cli(tmp_path, "submit", str(spec), "--input", str(write_records(tmp_path, 4, [b"[1]"])),
                        "--db", str(db))

@@ -16,7 +16,7 @@ from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.report import job_status, status_lines
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, load_spec
-from batchrun.testing import FakeProviderServer, Faults
+from batchrun.testing import FakeProviderServer, Faults, Refusals
 from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
@@ -201,9 +201,10 @@ def test_failed_and_invalid_answers_are_never_reused(
     ledger: Ledger, server: FakeProviderServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
 ) -> None:
     path = write_jsonl(records(12))
-    server.faults = Faults(status_override=400)
+    server.refusals = Refusals(over_context="")  # every request refused, each its own way
     failed = submit(ledger, make_spec(server.base_url), path)
     assert run(ledger, failed).counts[ItemState.FAILED] == 12
+    server.refusals = Refusals()
     server.faults = Faults(p_schema_violation=1.0, seed=1)
     structured = make_spec(server.base_url, schema=True, name="s")
     invalid = submit(ledger, structured, path)

@@ -190,13 +190,15 @@ def test_a_late_answer_lands_on_an_item_with_none(ledger: Ledger) -> None:
         "c2": (ItemState.SUCCEEDED, "late, while pending"),
     }
     assert LedgerQueries(ledger.engine).counts(job_id)[ItemState.RUNNING] == 0
-    # A cancelled item stays cancelled.
+    # An item cancelled while its answer was in flight keeps the answer (it was paid for), once.
     job_2 = make_job(ledger, 1)
     gone = ledger.start_run(job_2, "worker", exclusive=False)
     item = ledger.claim(job_2, gone, 1, 60)[0]
     ledger.cancel(job_2)
     ledger.record(gone, [Outcome(item.id, ItemState.SUCCEEDED, 1, status_code=200, output="x")], [])
-    assert LedgerQueries(ledger.engine).counts(job_2)[ItemState.CANCELLED] == 1
+    ledger.record(gone, [Outcome(item.id, ItemState.SUCCEEDED, 1, status_code=200, output="again")], [])
+    (row,) = LedgerQueries(ledger.engine).iter_items(job_2)
+    assert (row.state, row.output) == (ItemState.SUCCEEDED, "x")
 
 
 def test_exclusive_lock_names_the_holder_and_dead_holders_do_not_block(ledger: Ledger) -> None:

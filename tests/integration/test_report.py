@@ -29,7 +29,7 @@ from batchrun.ledger import AttemptRecord, Ledger, LedgerQueries
 from batchrun.report import job_report, nice_step
 from batchrun.scheduler import RunOptions
 from batchrun.spec import JobSpec, Overrides, load_spec, spec_for_batch_input
-from batchrun.testing import FakeProviderServer, Faults, RequestRecord, default_key_fn
+from batchrun.testing import FakeProviderServer, Faults, Refusals, RequestRecord, default_key_fn
 from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
@@ -185,7 +185,7 @@ def test_status_json_agrees_with_the_server_log(
 def test_failed_items_by_status_and_class_with_an_example(
     tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
-    server.faults = Faults(status_override=400)
+    server.refusals = Refusals(over_context="")  # every request refused, each its own way
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(6) + ["{broken"]))
     assert run(ledger, job_id).exit_code == ExitCode.SOME_FAILED
     data = status_json(db_url, job_id)

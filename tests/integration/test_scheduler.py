@@ -13,12 +13,13 @@ import orjson
 import pytest
 from sqlalchemy import event, func, select
 
+from batchrun.health import Refusals
 from batchrun.jobs import RunSummary, prepare_job, run_job
 from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.scheduler import JobRunner, RunOptions
 from batchrun.spec import Overrides, spec_for_batch_input
 from batchrun.testing import FakeProviderServer, Faults
-from batchrun.states import ExitCode, ItemState
+from batchrun.states import ExitCode, ItemState, StopReason
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
 
@@ -89,9 +90,21 @@ def test_faults_are_retried_and_nothing_is_paid_twice(
     assert sum(classes.values()) + 400 == len(server.log)  # every request is an attempt row
 
 
-def test_permanent_error_fails_at_once(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
+class _Answered(Refusals):
+    """The refusal watcher of a run that has had its first clean answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decided = True
+
+
+def test_permanent_error_fails_at_once(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the run has had an answer, a client error is the item's own: failed after one request."""
     server.faults = Faults(status_override=400)
     job_id = submit(ledger, server, write_jsonl(batch_lines(5)))
+    monkeypatch.setattr("batchrun.scheduler.Refusals", _Answered)
     summary = run(ledger, job_id)
     assert summary.exit_code == ExitCode.SOME_FAILED
     rows = list(LedgerQueries(ledger.engine).iter_items(job_id))
@@ -99,6 +112,21 @@ def test_permanent_error_fails_at_once(ledger: Ledger, server: FakeProviderServe
     assert len(server.log) == 5
     assert "HTTP 400" in (rows[0].error_message or "")
     assert orjson.loads(rows[0].response or "null")["error"]["type"]
+
+
+def test_the_same_client_error_for_the_first_requests_stops_the_run(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    """Every request refused the same way before any answer (a wrong model, path, parameter): stop
+    like a 401 (exit 3) with the items pending, after a handful of requests."""
+    server.faults = Faults(status_override=404)
+    job_id = submit(ledger, server, write_jsonl(batch_lines(300)))
+    summary = run(ledger, job_id)
+    assert summary.exit_code == ExitCode.AUTH
+    assert summary.result.stop_reason == StopReason.REFUSED
+    assert "HTTP 404" in (summary.result.stop_message or "")
+    assert summary.counts[ItemState.PENDING] == 300
+    assert len(server.log) <= 8
 
 
 def test_retries_exhausted(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:

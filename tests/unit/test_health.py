@@ -12,6 +12,7 @@ from batchrun.health import (
     OUTAGE_MAX_PAUSE_S,
     Health,
     Outage,
+    Refusals,
 )
 from batchrun.spec import RunSpec
 
@@ -75,7 +76,7 @@ def test_no_clean_answer_for_outage_seconds_stops_the_run() -> None:
     verdict = health.observe(DOWN)
     assert verdict is not None
     assert verdict.stop_message == (
-        f"no clean answer for 2 s: every request failed ({OUTAGE_AFTER_FAILURES + 1} in a row); "
+        f"no clean answer for 2 s: every request failed ({OUTAGE_AFTER_FAILURES + 1} in a row: HTTP 503); "
         "the items stay pending"
     )
 
@@ -104,3 +105,52 @@ def test_a_hang_factor_of_zero_keeps_the_spec_timeout() -> None:
     for _ in range(5 * HANG_MIN_SAMPLES):
         health.note_latency(0.01)
     assert health.attempt_timeout == 30.0
+
+
+
+def test_the_same_refusal_for_three_items_before_any_answer_is_a_verdict() -> None:
+    refusals: Refusals[int] = Refusals(items=3)
+    wrong = PermanentError("HTTP 404: The model `x` does not exist", status_code=404)
+    for item in (1, 2):
+        assert refusals.hold(item, wrong) and refusals.verdict() is None
+    assert refusals.hold(3, wrong)
+    assert "The model `x` does not exist" in (refusals.verdict() or "")
+    assert [item for item, _ in refusals.release()] == [1, 2, 3] and refusals.release() == []
+
+
+def test_refusals_after_an_answer_of_another_kind_or_all_different_are_the_items_own() -> None:
+    refusals: Refusals[int] = Refusals(items=2, hold_max=4)
+    assert not refusals.hold(1, PermanentError("HTTP 413: too large", status_code=413))
+    assert not refusals.hold(1, PermanentError("HTTP 400: filtered", status_code=400, error_class="content_filter"))
+    different = [PermanentError(f"HTTP 400: item {i} is too long", status_code=400) for i in range(4)]
+    for i in range(3):
+        assert refusals.hold(i, different[i]) and refusals.verdict() is None and not refusals.decided
+    assert refusals.hold(3, different[3]) and refusals.decided  # as many as it holds, all different
+    assert refusals.verdict() is None
+    assert not refusals.hold(4, different[0])
+
+
+def test_a_run_that_never_connected_is_down_at_once_and_stops_after_connect_grace() -> None:
+    clock = Clock()
+    health = Health(RunSpec(outage_seconds=300.0, connect_grace=5.0), clock=clock)
+    refused = RetryableError("connection refused: port 9", error_class="connection_refused")
+    verdict = health.observe(refused)
+    assert verdict is not None and verdict.stop_message is None  # down from the first: nothing charged
+    clock.now += 6.0
+    verdict = health.observe(refused)
+    assert verdict is not None
+    assert verdict.stop_message == (
+        "nothing connected in 5 s ([run] connect_grace): connection refused: port 9; the items stay pending"
+    )
+
+
+def test_after_a_clean_answer_connection_errors_wait_for_the_outage_rules() -> None:
+    clock = Clock()
+    health = Health(RunSpec(outage_seconds=300.0, connect_grace=5.0), clock=clock)
+    health.observe(None)
+    refused = RetryableError("connection refused: port 9", error_class="connection_refused")
+    assert health.observe(refused) is None  # one failure after answers is not an outage
+    clock.now += 60.0
+    for _ in range(OUTAGE_AFTER_FAILURES):
+        verdict = health.observe(refused)
+    assert verdict is not None and verdict.stop_message is None  # connect_grace is for a run never answered

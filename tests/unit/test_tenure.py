@@ -115,7 +115,8 @@ def test_a_heartbeat_marks_the_items_taken_from_the_run(run: Run, caplog: pytest
         asyncio.run(run.tenure.renew())
     assert (first.lost, swept.lost, again.lost) == (True, True, False)
     assert [r.getMessage() for r in caplog.records] == [
-        f"1 items were taken from this run (their lease lapsed while it was stalled), e.g. {swept.item.custom_id}; "
+        f"1 items were taken from this run (their lease lapsed while it was stalled, or the job was cancelled), "
+        f"e.g. {swept.item.custom_id}; "
         "not sending them again"
     ]
     run.tenure.settle(first)  # the lost claim's outcome does not untrack the new one
