@@ -21,7 +21,14 @@ from batchrun import interrupt
 from batchrun.errors import BatchrunError, LedgerWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
 from batchrun.export import FORMATS, export_job
-from batchrun.ledger.basics import RETRY_FILTERS, SHOW_FILTERS, database_error_line, default_db_path, is_database_error, resolve_db_url
+from batchrun.ledger.basics import (
+    RETRY_FILTERS,
+    SHOW_FILTERS,
+    database_error_line,
+    default_db_path,
+    is_database_error,
+    resolve_db_url,
+)
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
