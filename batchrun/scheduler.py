@@ -62,6 +62,7 @@ from batchrun.errors import (
     AuthError,
     BatchrunError,
     BudgetExceededError,
+    InputError,
     LedgerWriteError,
     LockLostError,
     OutputInvalidError,
@@ -392,6 +393,10 @@ class JobRunner:
 
         try:
             while not self.stopping and not writer.done():
+                if self.feed is not None and self.feed.ended and self.feed.error is not None:
+                    self._feeding()  # a failed ingest stops the run now, not once the stored backlog is sent
+                    if self.stopping:
+                        break
                 if not queue:
                     self._claims += 1
                     token = self._claims  # the same for a replay of this claim (see Ledger.claim)
@@ -499,6 +504,9 @@ class JobRunner:
             if isinstance(error, LockLostError):
                 if not self.tenure.lock_lost:
                     self.tenure.lose(error)
+            elif isinstance(error, InputError):
+                self.request_stop(StopReason.INPUT, f"the rest of the input cannot be read: {error.message}; "
+                                                    "the lines stored before it were worked, nothing after it was read")
             else:
                 message = error.message if isinstance(error, BatchrunError) else f"{type(error).__name__}: {error}"
                 self.request_stop(StopReason.ERROR, f"the ingest of the input stopped: {message}")

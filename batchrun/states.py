@@ -82,6 +82,7 @@ class StopReason(StrEnum):
     LOCK_LOST = "lock_lost"  # it stalled past its lock's staleness and another run took the job over
     LEDGER = "ledger"  # the ledger stayed unreachable (a worker)
     ERROR = "error"  # a bug or a broken environment
+    INPUT = "input"  # the ingest beside the run could not read the rest of the input (a corrupt file)
     IDLE = "idle"  # a worker with --exit-when-idle found nothing left to do
     STOP = "stop"  # told to stop without a reason of its own (a worker's runner, a library caller)
     AT_PROVIDER = "at_provider"  # batch mode without --wait: items left in provider batches for a later run
@@ -104,6 +105,8 @@ def exit_code_for(counts: Mapping[str, int], stop_reason: str | None, *, ingest_
         return ExitCode.AUTH
     if stop_reason == StopReason.BUDGET:
         return ExitCode.BUDGET
+    if stop_reason == StopReason.INPUT:
+        return ExitCode.USAGE  # resuming reads the same bad bytes again: the input needs fixing
     if stop_reason == StopReason.LOCK_LOST:
         return ExitCode.TEMPFAIL  # another run has the job now: this one stopped early, whatever the counts say
     if any(counts.get(state, 0) for state in OPEN_STATES) or not ingest_done:

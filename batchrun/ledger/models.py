@@ -35,6 +35,7 @@ jobs = Table(
     Column("lock_host", String(255)),
     Column("lock_since", Float),
     Column("lock_heartbeat", Float),
+    Column("cancelled_at", Float),  # `batchrun cancel`: lines stored from then on come in cancelled
     Index("ix_jobs_identity", "spec_hash", "input_hash"),
 )
 

@@ -499,6 +499,10 @@ class Ledger:
                 self._renew_lock(conn, job_id, run_id)
                 # An ingest's batches are its heartbeat: status sees the run at work while it reads.
                 conn.execute(update(runs_t).where(runs_t.c.id == run_id).values(heartbeat_at=self._db_now()))
+            # Read after the lock's row is written: a cancel (which writes the job's row first) is
+            # either committed and seen here, or waits for this batch and then cancels its lines.
+            if conn.execute(select(jobs_t.c.cancelled_at).where(jobs_t.c.id == job_id)).scalar() is not None:
+                values = [v[:5] + (ItemState.CANCELLED,) + v[6:] if v[5] == ItemState.PENDING else v for v in values]
             if self._insert_values(conn, values):
                 return []  # nothing was a duplicate: no need to read the batch back
             stored = set(
@@ -692,14 +696,10 @@ class Ledger:
         return {int(item_id): int(claim or 0) for item_id, claim in held}
 
     def cancelled_since(self, job_id: int, since: float) -> bool:
-        """Whether ``batchrun cancel`` cancelled items of the job at or after ``since`` (a run watches for it)."""
+        """Whether ``batchrun cancel`` cancelled the job at or after ``since`` (a run watches for it)."""
         with self.engine.connect() as conn:
-            return conn.execute(
-                select(items_t.c.id)
-                .where(items_t.c.job_id == job_id, items_t.c.state == ItemState.CANCELLED,
-                       items_t.c.finished_at >= since)
-                .limit(1)
-            ).first() is not None
+            at = conn.execute(select(jobs_t.c.cancelled_at).where(jobs_t.c.id == job_id)).scalar()
+            return at is not None and float(at) >= since
 
     def end_run(self, job_id: int, run_id: str, exit_code: int) -> None:
         with self._write() as conn:
@@ -1024,6 +1024,8 @@ class Ledger:
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
         with self._write() as conn:
+            if ItemState.CANCELLED in states:  # un-cancelled: the rest of its input comes in pending again
+                conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(cancelled_at=None))
             result = conn.execute(update(items_t).where(*cond).values(**values))
             return int(result.rowcount)
 
@@ -1056,12 +1058,14 @@ class Ledger:
             )
 
     def cancel(self, job_id: int) -> int:
-        """Cancel every pending or running item of the job."""
+        """Cancel every pending or running item of the job, and the lines its ingest stores from now on."""
         with self._write() as conn:
+            now = time.time()
+            conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(cancelled_at=now))
             result = conn.execute(
                 update(items_t)
                 .where(items_t.c.job_id == job_id, items_t.c.state.in_([ItemState.PENDING, ItemState.RUNNING]))
-                .values(state=ItemState.CANCELLED, lease_owner=None, lease_expires=None, lease_claim=None, finished_at=time.time())
+                .values(state=ItemState.CANCELLED, lease_owner=None, lease_expires=None, lease_claim=None, finished_at=now)
             )
             return int(result.rowcount)
 

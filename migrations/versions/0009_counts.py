@@ -151,6 +151,8 @@ DISTRIBUTIONS = (
 
 
 def upgrade() -> None:
+    # A job the user cancelled: lines its ingest stores from then on come in cancelled.
+    op.add_column("jobs", sa.Column("cancelled_at", sa.Float()))
     op.create_table(
         "item_counts",
         sa.Column("job_id", BigId, nullable=False),
@@ -214,6 +216,8 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     postgresql = op.get_bind().dialect.name == "postgresql"
+    with op.batch_alter_table("jobs") as jobs:
+        jobs.drop_column("cancelled_at")
     for name, _, _ in DISTRIBUTIONS:
         op.drop_index(f"ix_attempts_{name}", table_name="attempts")
     for table in ("attempts", "items"):
