@@ -182,3 +182,61 @@ def test_sigterm_mid_ingest_exits_75_and_resume_finishes(tmp_path: Path, padded_
     assert resumed.returncode == 0, resumed.stderr
     check_output(out, n)
     assert set(padded_server.ok_by_key().values()) == {1}
+
+
+def test_cancel_while_the_input_is_read_stops_sending_and_cancels_the_rest(
+    tmp_path: Path, padded_server: FakeProviderServer
+) -> None:
+    padded_server.faults = Faults(latency_s=0.01, seed=2)
+    src, db = tmp_path / "in.jsonl", tmp_path / "ledger.db"
+    write_input(src, 20_000)
+    proc = start_cli(tmp_path, "submit", "--input", str(src), "--base-url", padded_server.base_url, "--db", str(db),
+                     "--concurrency", str(CONCURRENCY), "--quiet", "--max-runtime", "120")
+    try:
+        wait_until("an answer", lambda: query(db, "select count(*) from items where state = 'succeeded'")[0][0])
+        assert query(db, "select ingest_done from jobs") == [(0,)]  # still reading
+        cancelled = run_cli(tmp_path, "cancel", "1", "--db", str(db))
+        assert cancelled.returncode == 0, cancelled.stderr
+        at = time.time()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 1, err  # finished: some items cancelled
+    # The run sees the cancel at its next heartbeat (2 s); what it had in flight is recorded.
+    late = [r for r in padded_server.log if r.received_at > at + 3.0]
+    assert not late, f"{len(late)} requests more than 3 s after the cancel"
+    states = dict(query(db, "select state, count(*) from items group by state"))
+    assert set(states) <= {"cancelled", "succeeded"}, states
+    # A resume reads the rest of the input, and it comes in cancelled: nothing more is sent.
+    sent = len(padded_server.log)
+    again = run_cli(tmp_path, "resume", "1", "--db", str(db), "--quiet")
+    assert again.returncode == 1, again.stderr
+    states = dict(query(db, "select state, count(*) from items group by state"))
+    assert set(states) <= {"cancelled", "succeeded"} and sum(states.values()) == 20_000, states
+    assert len(padded_server.log) == sent
+    assert query(db, "select ingest_done from jobs") == [(1,)]
+
+
+def test_input_that_breaks_while_read_beside_the_run_exits_2(tmp_path: Path, padded_server: FakeProviderServer) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    n = 40_000
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": [f"record {i} " + "x" * 50 for i in range(n)]}), src,
+                   row_group_size=2000, compression="NONE")
+    data = bytearray(src.read_bytes())
+    page = pq.ParquetFile(src).metadata.row_group(18).column(0).data_page_offset
+    data[page + 10:page + 400] = b"\xab" * 390  # row group 18 cannot be read
+    src.write_bytes(bytes(data))
+    spec = tmp_path / "s.toml"
+    spec.write_text(f'[provider]\nbase_url = "{padded_server.base_url}"\nmodel = "m"\napi_key_env = ""\n'
+                    '[request]\ntemplate = "{text}"\n[run]\nconcurrency = 16\n')
+    db = tmp_path / "l.db"
+    for args in (("submit", str(spec), "--input", str(src)), ("resume", "1")):
+        proc = run_cli(tmp_path, *args, "--db", str(db), "--quiet")
+        assert proc.returncode == 2, proc.stderr
+        assert "the rest of the input cannot be read" in proc.stderr and "Traceback" not in proc.stderr
+        assert "carry on with" not in proc.stderr  # resuming would read the same bad bytes
+    stored = query(db, "select count(*) from items")[0][0]
+    assert stored < n and len(padded_server.log) < n
