@@ -474,13 +474,15 @@ class AimdRate:
         if reset_s is not None and remaining is not None and remaining < limit:
             self._longest_reset = max(self._longest_reset, reset_s)
         per_second = limit / 60.0
-        if remaining is not None and self._header_checks < self.HEADER_CHECKS:
-            # Read per minute, ``remaining`` can be at most ``limit`` less what this run sent
-            # in the last minute. Far more left than that: the count is per a shorter window.
+        if remaining is not None and reset_s is not None and self._header_checks < self.HEADER_CHECKS:
+            # Read per minute, ``remaining`` is at most ``limit`` less what this run sent in the
+            # last minute, or (a bucket refilled at limit/60 a second, as OpenAI's) the budget is
+            # whole again only (limit - remaining) × 60 / limit seconds from now. Far more left
+            # and a reset far sooner: the count is per a shorter window.
             self._header_checks += 1
             now = self._clock()
             sent = sum(1 for t in self._sent if t > now - 60.0)
-            if sent >= 10 and remaining > limit - sent / 2:
+            if sent >= 10 and remaining > limit - sent / 2 and reset_s < 0.5 * (limit - remaining) / per_second:
                 self._short_window = True
         if self._short_window:
             if self._longest_reset <= 0:

@@ -352,10 +352,25 @@ def test_a_count_per_a_shorter_window_is_read_as_such() -> None:
             clock.t += 0.01
 
     asyncio.run(go())
-    rate.learn(50, 49, 0.4)  # 20 sent and 49 of 50 left: not a per-minute budget
+    rate.learn(50, 45, 0.4)  # 20 sent, 45 of 50 left and whole again in 0.4 s: not a per-minute budget
     rate.learn(50, 45, 1.0)  # a fixed one-second window: its reset is never more than 1 s
     assert rate.limit == pytest.approx(50.0)
     assert rate.rate == pytest.approx(50 * 0.985)
+
+
+def test_a_per_minute_bucket_that_refills_as_it_goes_is_read_per_minute() -> None:
+    rate, clock = aimd()
+
+    async def go() -> None:
+        for _ in range(20):
+            await rate.take()
+            clock.t += 0.1
+
+    asyncio.run(go())
+    # OpenAI's way: 3,000 a minute refilled continuously, so after 20 sends at 10/s most is back,
+    # and the rest in (3000 - 2990) / 50 = 0.2 s.
+    rate.learn(3000, 2990, 0.2)
+    assert rate.limit == pytest.approx(50.0) and rate.learned_from == "headers"
 
 
 def test_configured_limit_ignores_the_headers() -> None:
