@@ -338,9 +338,12 @@ class AimdRate:
     the limit per second back to ``safety`` × the limit — a 429 costs a second or
     two at a slightly lower pace, not the rest of the run. With no limit known
     yet, a 429 sets the pace to the answers of the last second and it grows
-    ×``GROW_PER_S`` a second until the next 429 says where the limit is. A learned limit is
-    probed above by ``PROBE_PER_S`` per second after ``HOLD_S`` without a 429, so
-    a limit that was raised is found again.
+    ×``GROW_PER_S`` a second until the next 429 says where the limit is. 429s
+    more often than one in ``QUIET_SENDS`` sends also lower the limit paced
+    towards by a step (``safety``) each, even a configured one (a small bucket
+    may need more room than its own spacing); ``HOLD_S`` without a 429 and it
+    is probed up by ``PROBE_PER_S`` a second (never past ``rpm``), so a limit
+    that was raised, or lowered for jitter, is found again.
 
     Sends are spaced at the pace (GCRA, one interval of catch-up after a late
     wake-up) and no ``n = int(limit)`` of them go within ``n / limit`` seconds
@@ -353,7 +356,8 @@ class AimdRate:
     RECOVER_PER_S = 0.1
     HOLD_S = 10.0
     GROW_PER_S = 4.0  # with no limit known after a 429: ×4 a second until the next 429
-    PROBE_PER_S = 0.005
+    PROBE_PER_S = 0.01
+    QUIET_SENDS = 250  # a 429 within this many sends of the last lowers the limit (~0.4% of requests)
     MIN_RATE = 0.05  # per second: one request every 20 s at the least
     WINDOW_MARGIN_S = 0.01  # added to the window of the int(limit) check (jitter on the way)
     HEADER_CHECKS = 200  # answers whose headers are checked against a per-minute reading
@@ -422,7 +426,7 @@ class AimdRate:
         self._last_429 = now
         if now - self._last_decrease < self.DECREASE_EVERY_S:
             return
-        self._last_decrease = now
+        since_last, self._last_decrease = now - self._last_decrease, now
         self._updated = now
         blame_catch_up = 0.0 <= now - self._catch_up_back < self.HOLD_S
         if blame_catch_up:
@@ -437,10 +441,11 @@ class AimdRate:
             return
         if self.limit is None:
             self.limit = self.rate  # the pace this 429 came at: the first word on the limit
-        elif not blame_catch_up:
-            # One 429 may be jitter at a window's edge, or a small bucket that needs more room
-            # than the limit's own spacing: it lowers the limit paced towards by a step at most,
-            # and never below the pace it came at. Quiet spells probe it back up (never past the cap).
+        elif not blame_catch_up and since_last * self.rate < self.QUIET_SENDS:
+            # 429s more often than one in QUIET_SENDS: jitter at a window's edge, or a small bucket
+            # that needs more room than the limit's own spacing. Each lowers the limit paced towards
+            # by a step at most, never below the pace it came at; rarer ones are what the
+            # decrease alone is for. Quiet spells probe it back up (never past the cap).
             self.limit = min(self.limit, max(self.rate, self.limit * self.safety))
         if self.cap is None:
             self.learned_from = "429s"

@@ -302,7 +302,11 @@ def test_a_429_decreases_the_pace_once_per_burst_and_clean_answers_bring_it_back
     for _ in range(100):  # 50 clean answers a second
         clock.t += 0.02
         rate.recover()
-    # Two seconds on, back to within a step of the limit (a 429 may have been jitter) ...
+    assert rate.rate == pytest.approx(full)  # two seconds on, back at the full pace
+    rate.slow_down()  # another 429 soon (within QUIET_SENDS): the limit aimed at is lowered a step
+    for _ in range(100):
+        clock.t += 0.02
+        rate.recover()
     assert rate.rate == pytest.approx(full * 0.985)
     for _ in range(int((AimdRate.HOLD_S + 5.0) / 0.02)):
         clock.t += 0.02
@@ -334,12 +338,18 @@ def test_an_unknown_limit_is_learnt_from_the_headers_and_held() -> None:
         rate.recover()
         rate.learn(3000, 2990, None)
     assert rate.limit == pytest.approx(50) and rate.rate == pytest.approx(50 * 0.985)  # held
-    rate.slow_down()  # a 429 at the held pace: one step lower at most, then back
-    assert rate.limit == pytest.approx(50 * 0.985) and rate.learned_from == "429s"
+    rate.slow_down()  # a 429 at the held pace, once: the limit holds, the pace comes back
+    assert rate.limit == pytest.approx(50) and rate.learned_from == "429s"
+    for _ in range(100):
+        clock.t += 0.02
+        rate.recover()
+    assert rate.rate == pytest.approx(50 * 0.985)
+    rate.slow_down()  # 429s again and again: one step lower at most each
+    assert rate.limit == pytest.approx(50 * 0.985)
     for _ in range(200):
         clock.t += 0.02
         rate.recover()
-        rate.learn(3000, 2990, None)  # the headers do not undo what the 429 said
+        rate.learn(3000, 2990, None)  # the headers do not undo what the 429s said
     assert rate.rate == pytest.approx(50 * 0.985 ** 2)
 
 
