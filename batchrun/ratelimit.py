@@ -400,8 +400,8 @@ class AimdRate:
             while self.rate is not None:
                 now = self._clock()
                 interval = 1.0 / self.rate
-                # One interval of catch-up after a late wake-up, none for HOLD_S after a 429 (a
-                # small bucket refuses two sends closer than its spacing; see slow_down).
+                # One interval of catch-up after a late wake-up, none for a while after frequent
+                # 429s (a small bucket refuses two sends closer than its spacing; see slow_down).
                 slack = interval if now >= self._catch_up_back else 0.0
                 due = max(self._tat, now - slack)
                 limit = self.limit or self.rate
@@ -428,12 +428,15 @@ class AimdRate:
             return
         since_last, self._last_decrease = now - self._last_decrease, now
         self._updated = now
-        blame_catch_up = 0.0 <= now - self._catch_up_back < self.HOLD_S
+        # 429s more often than one in QUIET_SENDS: more than jitter at a window's edge.
+        frequent = self.rate is not None and since_last * self.rate < self.QUIET_SENDS
+        blame_catch_up = frequent and 0.0 <= now - self._catch_up_back < self.HOLD_S
         if blame_catch_up:
-            # A 429 soon after catching up came back: a small bucket (it refuses two sends closer
-            # than its spacing). Catch up no more for twice as long; the limit is not to blame.
+            # Frequent again soon after catching up came back: a small bucket (it refuses two
+            # sends closer than its spacing). Catch up no more for twice as long; the limit is not to blame.
             self._catch_up_off_s *= 2.0
-        self._catch_up_back = now + self._catch_up_off_s
+        if frequent:
+            self._catch_up_back = now + self._catch_up_off_s
         if self.rate is None:
             # Nothing known: start from what came back clean in the last second, and grow from there.
             self._trim(now)
@@ -441,11 +444,11 @@ class AimdRate:
             return
         if self.limit is None:
             self.limit = self.rate  # the pace this 429 came at: the first word on the limit
-        elif not blame_catch_up and since_last * self.rate < self.QUIET_SENDS:
-            # 429s more often than one in QUIET_SENDS: jitter at a window's edge, or a small bucket
-            # that needs more room than the limit's own spacing. Each lowers the limit paced towards
-            # by a step at most, never below the pace it came at; rarer ones are what the
-            # decrease alone is for. Quiet spells probe it back up (never past the cap).
+        elif frequent and not blame_catch_up:
+            # Frequent 429s: the limit is lower than paced for, or a small bucket needs more room
+            # than the limit's own spacing. Each lowers the limit paced towards by a step at most,
+            # never below the pace it came at; a rare one is what the decrease alone is for.
+            # Quiet spells probe it back up (never past the cap).
             self.limit = min(self.limit, max(self.rate, self.limit * self.safety))
         if self.cap is None:
             self.learned_from = "429s"
