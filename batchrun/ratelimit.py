@@ -345,7 +345,7 @@ class AimdRate:
     is probed up by ``PROBE_PER_S`` a second (never past ``rpm``), so a limit
     that was raised, or lowered for jitter, is found again.
 
-    Sends are spaced at the pace (GCRA, one interval of catch-up after a late
+    Sends are spaced at the pace (GCRA, ``CATCH_UP_S`` of catch-up after a late
     wake-up) and no ``n = int(limit)`` of them go within ``n / limit`` seconds
     (plus ``WINDOW_MARGIN_S``): catching up would otherwise put one request too
     many into a provider's one-second window (bench/RESULTS.md, T3s).
@@ -359,6 +359,7 @@ class AimdRate:
     PROBE_PER_S = 0.01
     QUIET_SENDS = 250  # a 429 within this many sends of the last lowers the limit (~0.4% of requests)
     MIN_RATE = 0.05  # per second: one request every 20 s at the least
+    CATCH_UP_S = 0.05  # sends a late wake-up may make up for (the 50 ms of burst TokenBucket had)
     WINDOW_MARGIN_S = 0.01  # added to the window of the int(limit) check (jitter on the way)
     HEADER_CHECKS = 200  # answers whose headers are checked against a per-minute reading
 
@@ -400,9 +401,9 @@ class AimdRate:
             while self.rate is not None:
                 now = self._clock()
                 interval = 1.0 / self.rate
-                # One interval of catch-up after a late wake-up, none for a while after frequent
+                # CATCH_UP_S (at least one interval) of catch-up after a late wake-up, none for a while after frequent
                 # 429s (a small bucket refuses two sends closer than its spacing; see slow_down).
-                slack = interval if now >= self._catch_up_back else 0.0
+                slack = max(interval, self.CATCH_UP_S) if now >= self._catch_up_back else 0.0
                 due = max(self._tat, now - slack)
                 limit = self.limit or self.rate
                 n = max(1, int(limit))
