@@ -164,6 +164,8 @@ class Admission:
         else:
             pause = retry_after
         self.controller.on_rate_limited(pause, shrink=False)
+        if isinstance(self.request_budget, AimdRate):
+            self.request_budget.hold(pause)
 
     def _pace(self) -> float | None:
         """Requests per second the request budget paces at, if it paces."""

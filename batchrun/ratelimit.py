@@ -420,6 +420,11 @@ class AimdRate:
     def settle(self, estimated: float, actual: float) -> None:
         """Requests cost one each: nothing to correct."""
 
+    def hold(self, seconds: float) -> None:
+        """Everyone pauses ``seconds``: the pace starts afresh after it, with no catch-up saved up
+        meanwhile (a small bucket would refuse the sends that came out together)."""
+        self._tat = max(self._tat, self._clock() + seconds)
+
     def slow_down(self) -> None:
         """A 429: the pace was more than the provider takes."""
         now = self._clock()

@@ -461,3 +461,20 @@ def test_aimd_holds_one_second_limiters_near_their_limit_with_few_429s(
     assert accepted / 120 >= share * 50
     assert refused <= most_429s * (accepted + refused)
     assert pace <= 50 * (1.1 if per_minute == 0 else 0.985)  # learnt: probing a little above, now and then
+
+
+def test_a_pause_saves_up_no_catch_up_for_after_it() -> None:
+    rate, clock = aimd(3000)
+
+    async def go() -> list[float]:
+        await rate.take()
+        rate.hold(0.5)  # everyone paused after a 429
+        out = []
+        for _ in range(5):
+            await rate.take()
+            out.append(clock())
+        return out
+
+    sent = asyncio.run(go())
+    assert sent[0] >= 1000.5  # not before the pause ends
+    assert all(b - a >= 1 / 50 for a, b in zip(sent, sent[1:]))  # and then at the pace, no burst
