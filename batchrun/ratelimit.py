@@ -404,6 +404,8 @@ class AimdRate:
                 # CATCH_UP_S (at least one interval) of catch-up after a late wake-up, none for a while after frequent
                 # 429s (a small bucket refuses two sends closer than its spacing; see slow_down).
                 slack = max(interval, self.CATCH_UP_S) if now >= self._catch_up_back else 0.0
+                if not self._sent or now - self._sent[-1] > slack + interval:
+                    self._tat = max(self._tat, now)  # idle, not late: nothing to catch up
                 due = max(self._tat, now - slack)
                 limit = self.limit or self.rate
                 n = max(1, int(limit))

@@ -478,3 +478,18 @@ def test_a_pause_saves_up_no_catch_up_for_after_it() -> None:
     sent = asyncio.run(go())
     assert sent[0] >= 1000.5  # not before the pause ends
     assert all(b - a >= 1 / 50 for a, b in zip(sent, sent[1:]))  # and then at the pace, no burst
+
+
+def test_idle_time_is_not_caught_up() -> None:
+    rate, clock = aimd(3000)
+
+    async def go() -> list[float]:
+        clock.t += 5.0  # nothing to send for a while (a slow start, an empty queue)
+        out = []
+        for _ in range(4):
+            await rate.take()
+            out.append(clock())
+        return out
+
+    sent = asyncio.run(go())
+    assert all(b - a >= 1 / 50 for a, b in zip(sent, sent[1:]))  # the first sends are spaced, not a burst
