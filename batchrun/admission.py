@@ -15,9 +15,11 @@ waits since ``d8ac5c9``, T3s); keep it.
    backoff sleeps between attempts hold none;
 2. the send pace (:class:`~batchrun.ratelimit.SendPacer`): slots handed back
    together do not go out together;
-3. the request budget (``rpm``), then 4. the token budget (``tpm``, charged the
-   estimate), each a :class:`~batchrun.ratelimit.TokenBucket` (or the job's
-   :class:`~batchrun.ratelimit.SharedTokenBucket` on PostgreSQL);
+3. the request pace (:class:`~batchrun.ratelimit.AimdRate`: ``rpm``, or with none
+   a limit learnt from the headers and 429s; the job's
+   :class:`~batchrun.ratelimit.SharedTokenBucket` on PostgreSQL with an ``rpm``),
+   then 4. the token budget (``tpm``, charged the estimate: a
+   :class:`~batchrun.ratelimit.TokenBucket`, or the shared one);
 5. the request window (``rpm`` over any second): last of the rate waits, so
    the time it counts is the send's;
 6. the spend reservation (:class:`~batchrun.budget.SpendBudget`: the request's

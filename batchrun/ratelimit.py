@@ -7,15 +7,17 @@ concurrency, or to the provider's ``remaining-requests`` header if lower, in
 even steps over one answer's latency: requests sent as one burst come back as
 one burst, and the loop then idles while the next burst is out.
 
-A 429 halves the window (at most once per second, so one burst is one
-decrease) and pauses all dispatch until its ``Retry-After`` has passed; waiters
-then re-enter a few at a time, bounded by the halved window — no thundering
-herd. From there the window grows by +1/window per clean answer.
-``limit`` (the spec's concurrency) is a hard cap throughout.
+A 429 pauses all dispatch until its ``Retry-After`` has passed; waiters then
+re-enter a few at a time — no thundering herd. In a run nothing paces yet it
+also halves the window (at most once per second, so one burst is one
+decrease), which then grows by +1/window per clean answer; a paced run keeps
+its window and slows its pace instead (:class:`AimdRate`). ``limit`` (the
+spec's concurrency) is a hard cap throughout.
 
 Within the window, :class:`SendPacer` spreads sends so that a run against a
-steady latency does not fall into lock-step; :class:`TokenBucket` and
-:class:`RequestWindow` keep ``rpm``/``tpm``.
+steady latency does not fall into lock-step; :class:`AimdRate` paces requests
+(``rpm``, or a limit it learns), :class:`TokenBucket` tokens (``tpm``), and
+:class:`RequestWindow` holds ``rpm`` per second.
 """
 
 from __future__ import annotations
