@@ -399,6 +399,9 @@ class AimdRate:
 
     async def take(self, amount: float = 1.0) -> None:
         """Wait until one more request may go at the pace, and count it (first come, first served)."""
+        if self.rate is None and not self._lock.locked():  # not pacing: no lock to take (T1/T2's hot path)
+            self._sent.append(self._clock())
+            return
         async with self._lock:
             while self.rate is not None:
                 now = self._clock()
