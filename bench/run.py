@@ -469,6 +469,9 @@ T3_VARIANTS: dict[str, dict[str, Any]] = {
                         "integer Retry-After",
              "command": ["--shape", "fixed", "--limit", "50", "--period", "1", "--headers"], "rpm": False,
              "target": (90.0, 2.0)},
+    "t3xnu": {"limiter": "independent, limit unknown (no --rpm): 50 per fixed 1 s window, no headers, "
+                         "integer Retry-After", "command": ["--shape", "fixed", "--limit", "50", "--period", "1"],
+              "rpm": False, "target": (90.0, 2.0)},
     "t3xbu": {"limiter": "independent, limit unknown (no --rpm): token bucket 50/s, burst 1, no headers",
               "command": ["--shape", "bucket", "--rate", "50", "--burst", "1"], "rpm": False,
               "target": (90.0, 2.0)},
