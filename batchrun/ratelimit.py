@@ -456,7 +456,11 @@ class AimdRate:
             self.rate = max(1.0, float(len(self._answers)))
             return
         if self.limit is None:
-            self.limit = self.rate  # the pace this 429 came at: the first word on the limit
+            # The first word on the limit: the pace this 429 came at, or what came back clean in
+            # the last second if that was much less (the pace grew fast past the limit before
+            # a window's 429 said so).
+            self._trim(now)
+            self.limit = min(self.rate, max(float(len(self._answers)), self.rate * 0.5))
         elif frequent and not blame_catch_up:
             # Frequent 429s: the limit is lower than paced for, or a small bucket needs more room
             # than the limit's own spacing. Each lowers the limit paced towards by a step at most,
@@ -465,7 +469,7 @@ class AimdRate:
             self.limit = min(self.limit, max(self.rate, self.limit * self.safety))
         if self.cap is None:
             self.learned_from = "429s"
-        self.rate = max(self.MIN_RATE, self.rate * self.DECREASE)
+        self.rate = max(self.MIN_RATE, min(self.rate * self.DECREASE, self.limit * self.safety))
 
     def recover(self) -> None:
         """A clean answer: grow the pace back towards the limit (or find one)."""
