@@ -467,33 +467,30 @@ def test_aimd_holds_one_second_limiters_near_their_limit_with_few_429s(
     assert pace <= 50 * (1.1 if per_minute == 0 else 0.985)  # learnt: probing a little above, now and then
 
 
-def test_a_pause_saves_up_no_catch_up_for_after_it() -> None:
-    rate, clock = aimd(3000)
+def send_times(rate: AimdRate, clock: SimClock, n: int) -> list[float]:
+    """When ``n`` sends in a row get through ``rate``."""
 
     async def go() -> list[float]:
-        await rate.take()
-        rate.hold(0.5)  # everyone paused after a 429
         out = []
-        for _ in range(5):
+        for _ in range(n):
             await rate.take()
             out.append(clock())
         return out
 
-    sent = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_a_pause_saves_up_no_catch_up_for_after_it() -> None:
+    rate, clock = aimd(3000)
+    send_times(rate, clock, 1)
+    rate.hold(0.5)  # everyone paused after a 429
+    sent = send_times(rate, clock, 5)
     assert sent[0] >= 1000.5  # not before the pause ends
     assert all(b - a >= 1 / 50 for a, b in zip(sent, sent[1:]))  # and then at the pace, no burst
 
 
 def test_idle_time_is_not_caught_up() -> None:
     rate, clock = aimd(3000)
-
-    async def go() -> list[float]:
-        clock.t += 5.0  # nothing to send for a while (a slow start, an empty queue)
-        out = []
-        for _ in range(4):
-            await rate.take()
-            out.append(clock())
-        return out
-
-    sent = asyncio.run(go())
+    clock.t += 5.0  # nothing to send for a while (a slow start, an empty queue)
+    sent = send_times(rate, clock, 4)
     assert all(b - a >= 1 / 50 for a, b in zip(sent, sent[1:]))  # the first sends are spaced, not a burst
