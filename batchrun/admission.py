@@ -15,9 +15,11 @@ waits since ``d8ac5c9``, T3s); keep it.
    backoff sleeps between attempts hold none;
 2. the send pace (:class:`~batchrun.ratelimit.SendPacer`): slots handed back
    together do not go out together;
-3. the request budget (``rpm``), then 4. the token budget (``tpm``, charged the
-   estimate), each a :class:`~batchrun.ratelimit.TokenBucket` (or the job's
-   :class:`~batchrun.ratelimit.SharedTokenBucket` on PostgreSQL);
+3. the request pace (:class:`~batchrun.ratelimit.AimdRate`: ``rpm``, or with none
+   a limit learnt from the headers and 429s; the job's
+   :class:`~batchrun.ratelimit.SharedTokenBucket` on PostgreSQL with an ``rpm``),
+   then 4. the token budget (``tpm``, charged the estimate: a
+   :class:`~batchrun.ratelimit.TokenBucket`, or the shared one);
 5. the request window (``rpm`` over any second): last of the rate waits, so
    the time it counts is the send's;
 6. the spend reservation (:class:`~batchrun.budget.SpendBudget`: the request's
@@ -41,18 +43,20 @@ yet committed never exceed the concurrency.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 from batchrun.budget import SpendBudget, settled_cost
-from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SendPacer, SharedTokenBucket, TokenBucket
+from batchrun.ratelimit import AdaptiveConcurrency, AimdRate, RequestWindow, SendPacer, SharedTokenBucket, TokenBucket
 
 if TYPE_CHECKING:
     from batchrun.errors import ProviderError
     from batchrun.providers import Reply
     from batchrun.providers.base import RateLimits
 
+DEFAULT_PAUSE_S = 1.0  # a 429 with no Retry-After, in a run that is not paced
 PACE_EVERY = 50  # this run's clean answers between two settings of the send pace
 
 
@@ -68,7 +72,7 @@ class Admission:
         controller: AdaptiveConcurrency,
         *,
         pacer: SendPacer | None = None,
-        request_budget: TokenBucket | SharedTokenBucket | None = None,
+        request_budget: AimdRate | TokenBucket | SharedTokenBucket | None = None,
         token_budget: TokenBucket | SharedTokenBucket | None = None,
         request_window: RequestWindow | None = None,
         spend: SpendBudget | None = None,
@@ -76,11 +80,12 @@ class Admission:
     ) -> None:
         self.controller = controller
         self.pacer = pacer or SendPacer()
-        self.request_budget = request_budget
+        # With no rpm the request pace is learned (from headers and 429s) and held.
+        self.request_budget = request_budget if request_budget is not None else AimdRate()
         self.token_budget = token_budget
         self.request_window = request_window
         self.spend = spend
-        self._rate_budgets = [b for b in (request_budget, token_budget) if b is not None]
+        self._rate_budgets = [b for b in (self.request_budget, token_budget) if b is not None]
         self._latencies = latencies  # the latest answers' latencies, oldest first: the pace follows them
         self._answers = 0
         self._stopped = False
@@ -136,29 +141,68 @@ class Admission:
             self.pacer.follow(list(self._latencies), self.controller.limit)
 
     def on_rate_limited(self, retry_after: float | None) -> None:
-        """A 429: fewer slots, everyone paused, the rate budgets slowed down."""
-        self.controller.on_rate_limited(retry_after)
+        """A 429: the rate budgets slowed down, everyone paused; fewer slots if nothing paced the rate yet.
+
+        A paced run holds its slots (the pace, not the concurrency, went over the
+        limit: halving the window would cap the rate at window / latency), and
+        a whole-second ``Retry-After`` — an integer rounded up, all that many
+        servers send — pauses everyone for its lower bound (``N - 1`` s, at least
+        two sends at the pace): against a one-second window or a small bucket,
+        ``Retry-After: 1`` means "a few ms", and a full second's pause at every
+        429 would cost a second of sending each time.
+        """
+        paced = self._pace() is not None
         for budget in self._rate_budgets:
             budget.slow_down()
+        rate = self._pace()
+        if not paced or rate is None:
+            self.controller.on_rate_limited(retry_after)  # the first brake of a run nothing paced yet
+            return
+        floor = 2.0 / rate
+        if retry_after is None:
+            pause = min(DEFAULT_PAUSE_S, floor)
+        elif retry_after >= 1.0 and float(retry_after).is_integer():
+            pause = min(retry_after, max(retry_after - 1.0, floor))
+        else:
+            pause = retry_after
+        self.controller.on_rate_limited(pause, shrink=False)
+        if isinstance(self.request_budget, AimdRate):
+            self.request_budget.hold(pause)
+
+    def _pace(self) -> float | None:
+        """Requests per second the request budget paces at, if it paces."""
+        budget = self.request_budget
+        if isinstance(budget, AimdRate):
+            return budget.rate
+        if isinstance(budget, (TokenBucket, SharedTokenBucket)):
+            return budget.rate
+        return None
 
     def pause(self, seconds: float) -> None:
         """Every request has been failing: pause everyone (and shrink the window) as a 429 would."""
         self.controller.on_rate_limited(seconds)
 
-    def obey_headers(self, limits: RateLimits) -> None:
-        """The provider says its budget is spent: pause everyone until it resets."""
+    def obey_headers(self, limits: RateLimits, age_s: float = 0.0) -> None:
+        """Learn the request limit from the headers; if the budget is spent, pause everyone until it resets.
+
+        ``age_s`` is how long ago the request was sent: the provider counted its
+        reset from then, so a one-second window's reset read after a 200 ms answer
+        is 200 ms nearer.
+        """
+        if isinstance(self.request_budget, AimdRate):
+            self.request_budget.learn(limits.limit_requests, limits.remaining_requests, limits.reset_requests_s)
         for remaining, reset in (
             (limits.remaining_requests, limits.reset_requests_s),
             (limits.remaining_tokens, limits.reset_tokens_s),
         ):
-            if remaining is not None and remaining <= 0 and reset:
-                self.controller.pause(reset)
+            if remaining is not None and remaining <= 0 and reset and reset > age_s:
+                self.controller.pause(reset - age_s)
 
 
 class Slot:
     """One request's way through :class:`Admission`: what it holds, and settling it once."""
 
-    __slots__ = ("_admission", "estimate", "held", "_ready", "_confirm", "_settled")
+    __slots__ = ("_admission", "estimate", "held", "_ready", "_confirm", "_settled", "sent_at")
 
     def __init__(
         self,
@@ -173,6 +217,7 @@ class Slot:
         self._ready = ready
         self._confirm = confirm
         self._settled = False
+        self.sent_at = 0.0  # monotonic: when the waits were passed (the request goes now)
 
     async def __aenter__(self) -> Slot:
         a = self._admission
@@ -199,6 +244,7 @@ class Slot:
         if a.stopping or (self._ready is not None and not self._ready()):
             self._hand_back()
             raise NotAdmitted
+        self.sent_at = time.monotonic()
         return self
 
     async def __aexit__(
@@ -230,7 +276,7 @@ class Slot:
             used = (reply.input_tokens or 0) + (reply.output_tokens or 0) if reply else self.estimate
             a.token_budget.settle(self.estimate, used)
         if reply is not None and reply.limits is not None:
-            a.obey_headers(reply.limits)
+            a.obey_headers(reply.limits, time.monotonic() - self.sent_at)
         self._settled = True
 
     def _hand_back(self) -> None:

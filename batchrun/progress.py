@@ -29,7 +29,7 @@ def snapshot(runner: JobRunner, todo: int) -> dict[str, Any]:
     rate = done / elapsed
     rate_limits: dict[str, float] = {}
     admission = runner.admission
-    if admission.request_budget is not None:
+    if admission.request_budget is not None and admission.request_budget.rate is not None:
         rate_limits["rpm_now"] = round(admission.request_budget.rate * 60.0, 1)
     if admission.token_budget is not None:
         rate_limits["tpm_now"] = round(admission.token_budget.rate * 60.0, 1)

@@ -7,20 +7,23 @@ concurrency, or to the provider's ``remaining-requests`` header if lower, in
 even steps over one answer's latency: requests sent as one burst come back as
 one burst, and the loop then idles while the next burst is out.
 
-A 429 halves the window (at most once per second, so one burst is one
-decrease) and pauses all dispatch until its ``Retry-After`` has passed; waiters
-then re-enter a few at a time, bounded by the halved window — no thundering
-herd. From there the window grows by +1/window per clean answer.
-``limit`` (the spec's concurrency) is a hard cap throughout.
+A 429 pauses all dispatch until its ``Retry-After`` has passed; waiters then
+re-enter a few at a time — no thundering herd. In a run nothing paces yet it
+also halves the window (at most once per second, so one burst is one
+decrease), which then grows by +1/window per clean answer; a paced run keeps
+its window and slows its pace instead (:class:`AimdRate`). ``limit`` (the
+spec's concurrency) is a hard cap throughout.
 
 Within the window, :class:`SendPacer` spreads sends so that a run against a
-steady latency does not fall into lock-step; :class:`TokenBucket` and
-:class:`RequestWindow` keep ``rpm``/``tpm``.
+steady latency does not fall into lock-step; :class:`AimdRate` paces requests
+(``rpm``, or a limit it learns), :class:`TokenBucket` tokens (``tpm``), and
+:class:`RequestWindow` holds ``rpm`` per second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections import deque
@@ -165,12 +168,14 @@ class AdaptiveConcurrency:
         """Send nothing for ``seconds`` (the provider said its budget resets then)."""
         self.paused_until = max(self.paused_until, time.monotonic() + seconds)
 
-    def on_rate_limited(self, retry_after: float | None) -> None:
-        """A 429: halve the window (once per burst) and pause everyone."""
+    def on_rate_limited(self, retry_after: float | None, *, shrink: bool = True) -> None:
+        """A 429: halve the window (once per burst, unless not ``shrink``: a pace is what went over) and
+        pause everyone."""
         now = time.monotonic()
         self.rate_limited += 1
-        self._stop_opening()
-        if now - self._last_decrease >= DECREASE_EVERY_S:
+        if shrink:
+            self._stop_opening()
+        if shrink and now - self._last_decrease >= DECREASE_EVERY_S:
             self.window = max(1.0, self.window / 2.0)
             self.threshold = self.window
             self._last_decrease = now
@@ -313,6 +318,213 @@ class RequestWindow:
                 if wait > 0:
                     await asyncio.sleep(wait)
             self._sent.append(time.monotonic())
+
+
+class AimdRate:
+    """The request pace: additive increase, multiplicative decrease, towards a known or learned limit.
+
+    ``per_minute`` is the user's ``rpm`` (a hard cap, paced at ``safety`` × it),
+    or 0: the limit is unknown and learned. Until something says what the limit
+    is, requests are not paced here (concurrency and slow start hold them).
+    It is learned from
+
+    - the provider's headers (:meth:`learn`): ``limit`` requests per minute, unless
+      their ``reset`` shows the budget refilling faster than a per-minute limit can
+      (a per-second window advertised as its own count): then ``limit`` per the
+      longest ``reset`` seen;
+    - 429s (:meth:`slow_down`): the pace a 429 came at is more than the server takes,
+      so the learned limit is held just under it (and kept when nothing contradicts it).
+
+    A 429 multiplies the pace by ``DECREASE`` (once per ``DECREASE_EVERY_S``: one
+    burst, one decrease). Clean answers (:meth:`recover`) add ``RECOVER_PER_S`` of
+    the limit per second back to ``safety`` × the limit — a 429 costs a second or
+    two at a slightly lower pace, not the rest of the run. With no limit known
+    yet, a 429 sets the pace to the answers of the last second and it grows
+    ×``GROW_PER_S`` a second until the next 429 says where the limit is. 429s
+    more often than one in ``QUIET_SENDS`` sends also lower the limit paced
+    towards by a step (``safety``) each, even a configured one (a small bucket
+    may need more room than its own spacing); ``HOLD_S`` without a 429 and it
+    is probed up by ``PROBE_PER_S`` a second (never past ``rpm``), so a limit
+    that was raised, or lowered for jitter, is found again.
+
+    Sends are spaced at the pace (GCRA, ``CATCH_UP_S`` of catch-up after a late
+    wake-up) and no ``n = int(limit)`` of them go within ``n / limit`` seconds
+    (plus ``WINDOW_MARGIN_S``): catching up would otherwise put one request too
+    many into a provider's one-second window (bench/RESULTS.md, T3s).
+    """
+
+    DECREASE = 0.85
+    DECREASE_EVERY_S = 1.0
+    RECOVER_PER_S = 0.1
+    HOLD_S = 10.0
+    GROW_PER_S = 4.0  # with no limit known after a 429: ×4 a second until the next 429
+    PROBE_PER_S = 0.01
+    QUIET_SENDS = 250  # a 429 within this many sends of the last lowers the limit (~0.4% of requests)
+    MIN_RATE = 0.05  # per second: one request every 20 s at the least
+    CATCH_UP_S = 0.05  # sends a late wake-up may make up for (the 50 ms of burst TokenBucket had)
+    WINDOW_MARGIN_S = 0.01  # added to the window of the int(limit) check (jitter on the way)
+    HEADER_CHECKS = 200  # answers whose headers are checked against a per-minute reading
+
+    def __init__(
+        self, per_minute: float = 0.0, *, safety: float = 0.985,
+        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.per_minute = per_minute
+        self.safety = safety
+        self.cap = per_minute / 60.0 if per_minute > 0 else None  # the user's limit, per second: never above
+        self.limit = self.cap  # the limit paced towards, per second: configured or learned (None: unknown)
+        self.learned_from: str | None = "configured" if self.cap else None
+        self.rate: float | None = self.cap * safety if self.cap else None  # the pace, per second
+        self.rate_limited = 0
+        self._clock = clock
+        self._sleep = sleep
+        now = clock()
+        self._tat = now  # GCRA: when the next send is due at the pace
+        self._updated = now
+        self._last_decrease = -math.inf
+        self._last_429 = -math.inf
+        self._answers: deque[float] = deque()  # clean answers in the last second (their times)
+        self._sent: deque[float] = deque(maxlen=4096)
+        self._longest_reset = 0.0
+        self._catch_up_back = -math.inf  # when catching up after a late wake-up is allowed again
+        self._catch_up_off_s = self.HOLD_S
+        self._header_checks = 0
+        self._short_window = False
+        self._lock = asyncio.Lock()
+
+    @property
+    def per_second(self) -> float | None:
+        """The pace now (None: not pacing)."""
+        return self.rate
+
+    async def take(self, amount: float = 1.0) -> None:
+        """Wait until one more request may go at the pace, and count it (first come, first served)."""
+        if self.rate is None and not self._lock.locked():  # not pacing: no lock to take (T1/T2's hot path)
+            self._sent.append(self._clock())
+            return
+        async with self._lock:
+            while self.rate is not None:
+                now = self._clock()
+                interval = 1.0 / self.rate
+                # CATCH_UP_S (at least one interval) of catch-up after a late wake-up, none for a while after frequent
+                # 429s (a small bucket refuses two sends closer than its spacing; see slow_down).
+                slack = max(interval, self.CATCH_UP_S) if now >= self._catch_up_back else 0.0
+                if not self._sent or now - self._sent[-1] > slack + interval:
+                    self._tat = max(self._tat, now)  # idle, not late: nothing to catch up
+                due = max(self._tat, now - slack)
+                limit = self.limit or self.rate
+                n = max(1, int(limit))
+                if len(self._sent) >= n:
+                    due = max(due, self._sent[-n] + n / limit + self.WINDOW_MARGIN_S)
+                wait = due - now
+                if wait <= 0:
+                    self._tat = max(self._tat, now - slack) + interval
+                    break
+                # Short naps: a 429 or a header may change the pace meanwhile.
+                await self._sleep(min(wait, 0.05))
+            self._sent.append(self._clock())
+
+    def settle(self, estimated: float, actual: float) -> None:
+        """Requests cost one each: nothing to correct."""
+
+    def hold(self, seconds: float) -> None:
+        """Everyone pauses ``seconds``: the pace starts afresh after it, with no catch-up saved up
+        meanwhile (a small bucket would refuse the sends that came out together)."""
+        self._tat = max(self._tat, self._clock() + seconds)
+
+    def slow_down(self) -> None:
+        """A 429: the pace was more than the provider takes."""
+        now = self._clock()
+        self.rate_limited += 1
+        self._last_429 = now
+        if now - self._last_decrease < self.DECREASE_EVERY_S:
+            return
+        since_last, self._last_decrease = now - self._last_decrease, now
+        self._updated = now
+        # 429s more often than one in QUIET_SENDS: more than jitter at a window's edge.
+        frequent = self.rate is not None and since_last * self.rate < self.QUIET_SENDS
+        blame_catch_up = frequent and 0.0 <= now - self._catch_up_back < self.HOLD_S
+        if blame_catch_up:
+            # Frequent again soon after catching up came back: a small bucket (it refuses two
+            # sends closer than its spacing). Catch up no more for twice as long; the limit is not to blame.
+            self._catch_up_off_s *= 2.0
+        if frequent:
+            self._catch_up_back = now + self._catch_up_off_s
+        if self.rate is None:
+            # Nothing known: start from what came back clean in the last second, and grow from there.
+            self._trim(now)
+            self.rate = max(1.0, float(len(self._answers)))
+            return
+        if self.limit is None:
+            # The first word on the limit: the pace this 429 came at, or what came back clean in
+            # the last second if that was much less (the pace grew fast past the limit before
+            # a window's 429 said so).
+            self._trim(now)
+            self.limit = min(self.rate, max(float(len(self._answers)), self.rate * 0.5))
+        elif frequent and not blame_catch_up:
+            # Frequent 429s: the limit is lower than paced for, or a small bucket needs more room
+            # than the limit's own spacing. Each lowers the limit paced towards by a step at most,
+            # never below the pace it came at; a rare one is what the decrease alone is for.
+            # Quiet spells probe it back up (never past the cap).
+            self.limit = min(self.limit, max(self.rate, self.limit * self.safety))
+        if self.cap is None:
+            self.learned_from = "429s"
+        self.rate = max(self.MIN_RATE, min(self.rate * self.DECREASE, self.limit * self.safety))
+
+    def recover(self) -> None:
+        """A clean answer: grow the pace back towards the limit (or find one)."""
+        now = self._clock()
+        self._answers.append(now)
+        self._trim(now)
+        dt, self._updated = now - self._updated, now
+        if self.rate is None:
+            return
+        if self.limit is None:  # after a 429 with nothing known: grow fast until the next one
+            self.rate *= self.GROW_PER_S ** min(dt, 1.0)
+            return
+        target = self.limit * self.safety
+        if self.rate < target:
+            self.rate = min(target, self.rate + self.limit * self.RECOVER_PER_S * dt)
+        elif now - self._last_429 > self.HOLD_S and (self.cap is None or self.limit < self.cap):
+            self.rate *= (1.0 + self.PROBE_PER_S) ** min(dt, 1.0)
+            self.limit = max(self.limit, self.rate / self.safety)
+            if self.cap is not None and self.limit > self.cap:
+                self.limit, self.rate = self.cap, self.cap * self.safety
+
+    def learn(self, limit: int | None, remaining: int | None, reset_s: float | None) -> None:
+        """What a provider's request headers said: ``limit`` (per minute, as OpenAI and Anthropic
+        mean it), ``remaining`` and ``reset_s`` (seconds until the budget is whole again)."""
+        if self.cap is not None or limit is None or limit <= 0:
+            return
+        if reset_s is not None and remaining is not None and remaining < limit:
+            self._longest_reset = max(self._longest_reset, reset_s)
+        per_second = limit / 60.0
+        if remaining is not None and reset_s is not None and self._header_checks < self.HEADER_CHECKS:
+            # Read per minute, ``remaining`` is at most ``limit`` less what this run sent in the
+            # last minute, or (a bucket refilled at limit/60 a second, as OpenAI's) the budget is
+            # whole again only (limit - remaining) × 60 / limit seconds from now. Far more left
+            # and a reset far sooner: the count is per a shorter window.
+            self._header_checks += 1
+            now = self._clock()
+            sent = sum(1 for t in self._sent if t > now - 60.0)
+            if sent >= 10 and remaining > limit - sent / 2 and reset_s < 0.5 * (limit - remaining) / per_second:
+                self._short_window = True
+        if self._short_window:
+            if self._longest_reset <= 0:
+                return  # no way to tell the window: the 429s will say
+            per_second = limit / min(60.0, self._longest_reset)
+        if self.learned_from == "429s" and self.limit is not None and self.limit < per_second:
+            return  # the server's 429s said less than its headers: keep what they said
+        if self.limit is None or self.learned_from == "headers" and abs(self.limit - per_second) > 1e-9:
+            self.limit = per_second
+            self.learned_from = "headers"
+            target = per_second * self.safety
+            self.rate = target if self.rate is None else min(self.rate, target)
+            self._updated = self._clock()
+
+    def _trim(self, now: float) -> None:
+        while self._answers and self._answers[0] <= now - 1.0:
+            self._answers.popleft()
 
 
 class SharedTokenBucket:

@@ -86,7 +86,7 @@ from batchrun.providers import Provider, Reply
 from batchrun.providers.base import PreparedRequest
 from batchrun.providers.http import Sender
 from batchrun.pricing import Price, price_for
-from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SharedTokenBucket, TokenBucket
+from batchrun.ratelimit import AdaptiveConcurrency, AimdRate, RequestWindow, SharedTokenBucket, TokenBucket
 from batchrun.spec import JobSpec
 from batchrun.validate import OutputValidator, feedback
 from batchrun.states import ItemState, StopReason
@@ -246,7 +246,10 @@ class JobRunner:
         budget_at = budget_price(spec)  # SpecError here, before anything is sent, if a budget has no price
         self.admission = Admission(
             AdaptiveConcurrency(spec.run.concurrency, initial=self.options.initial_concurrency),
-            request_budget=self._budget("requests", spec.run.rpm),
+            # This process's request pace adapts to 429s (AIMD) and, with no rpm, learns the limit.
+            request_budget=(
+                self._budget("requests", spec.run.rpm) if self.ledger.shares_rate_budgets else AimdRate(spec.run.rpm)
+            ),
             token_budget=self._budget("tokens", spec.run.tpm),
             request_window=RequestWindow(spec.run.rpm) if spec.run.rpm > 0 else None,
             spend=SpendBudget(spec.run.budget_usd, budget_at) if budget_at is not None else None,

@@ -313,7 +313,7 @@ def _classified(error: ProviderError) -> ProviderError:
 
 
 def anthropic_rate_limits(headers: httpx.Headers) -> RateLimits | None:
-    """``anthropic-ratelimit-{requests,tokens}-{remaining,reset}`` (reset is an RFC 3339 time)."""
+    """``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`` (reset is an RFC 3339 time)."""
     if "anthropic-ratelimit-requests-remaining" not in headers and "anthropic-ratelimit-tokens-remaining" not in headers:
         return None
     return RateLimits(
@@ -321,6 +321,8 @@ def anthropic_rate_limits(headers: httpx.Headers) -> RateLimits | None:
         reset_requests_s=_seconds_until(headers.get("anthropic-ratelimit-requests-reset")),
         remaining_tokens=int_header(headers.get("anthropic-ratelimit-tokens-remaining")),
         reset_tokens_s=_seconds_until(headers.get("anthropic-ratelimit-tokens-reset")),
+        limit_requests=int_header(headers.get("anthropic-ratelimit-requests-limit")),
+        limit_tokens=int_header(headers.get("anthropic-ratelimit-tokens-limit")),
     )
 
 

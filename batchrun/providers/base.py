@@ -48,6 +48,8 @@ class RateLimits:
     reset_requests_s: float | None = None
     remaining_tokens: int | None = None
     reset_tokens_s: float | None = None
+    limit_requests: int | None = None  # the request limit the provider advertises (per minute, as a rule)
+    limit_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -392,7 +392,7 @@ def openai_error_event(error: Any, raw: str) -> ProviderError:
 
 
 def openai_rate_limits(headers: httpx.Headers) -> RateLimits | None:
-    """``x-ratelimit-remaining-*`` / ``x-ratelimit-reset-*``, when the server sends them."""
+    """``x-ratelimit-limit-*`` / ``-remaining-*`` / ``-reset-*``, when the server sends them."""
     if "x-ratelimit-remaining-requests" not in headers and "x-ratelimit-remaining-tokens" not in headers:
         return None
     return RateLimits(
@@ -400,4 +400,6 @@ def openai_rate_limits(headers: httpx.Headers) -> RateLimits | None:
         reset_requests_s=parse_reset(headers.get("x-ratelimit-reset-requests")),
         remaining_tokens=int_header(headers.get("x-ratelimit-remaining-tokens")),
         reset_tokens_s=parse_reset(headers.get("x-ratelimit-reset-tokens")),
+        limit_requests=int_header(headers.get("x-ratelimit-limit-requests")),
+        limit_tokens=int_header(headers.get("x-ratelimit-limit-tokens")),
     )

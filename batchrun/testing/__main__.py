@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--rpm", type=int, default=None, help="sliding 60 s request limit")
     serve.add_argument("--rpm-window", type=float, default=60.0,
                        help="enforce --rpm over this sliding window in seconds, scaled (1: per second)")
+    serve.add_argument("--rpm-shape", choices=["sliding", "fixed", "bucket"], default="sliding",
+                       help="how --rpm is enforced over --rpm-window: a sliding window, a fixed window "
+                            "(a counter reset every --rpm-window s), or a token bucket of --rpm-burst")
+    serve.add_argument("--rpm-burst", type=float, default=1.0, help="bucket: tokens it holds (default 1)")
+    serve.add_argument("--retry-after-integer", action="store_true",
+                       help="429s carry only an integer Retry-After (rounded up), no retry-after-ms")
     serve.add_argument("--retry-after", type=float, default=1.0,
                        help="Retry-After seconds on random 429s (negative -> no header)")
     for name in ("429", "500", "503", "reset", "hang", "bad-body", "truncated", "overloaded",
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         p_bad_body=args.p_bad_body, p_truncated=args.p_truncated,
         status_override=args.status, burst_429_period_s=args.burst_period,
         burst_429_duration_s=args.burst_duration, rpm_limit=args.rpm, rpm_window_s=args.rpm_window,
+        rpm_shape=args.rpm_shape, rpm_burst=args.rpm_burst, retry_after_integer=args.retry_after_integer,
         seed=args.seed, p_overloaded=args.p_overloaded, p_stream_drop=args.p_stream_drop,
         p_stream_error=args.p_stream_error, stream_chunk_delay_s=args.stream_chunk_delay,
     )

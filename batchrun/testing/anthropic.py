@@ -122,7 +122,7 @@ class MessagesApi(Api):
         return orjson.dumps({"type": "error", "error": _error(status, message),
                              "request_id": "req_" + req_id.decode()})
 
-    def ratelimit_headers(self, limit: int, remaining: int, reset_at: float) -> bytes:
+    def ratelimit_headers(self, limit: int, remaining: int, reset_at: float, *, reset_s: float | None = None) -> bytes:
         reset = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(math.ceil(reset_at)))
         return (b"anthropic-ratelimit-requests-limit: %d\r\n"
                 b"anthropic-ratelimit-requests-remaining: %d\r\n"

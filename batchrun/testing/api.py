@@ -43,7 +43,9 @@ class Api:
     def error_body(self, status: int, message: str | None, req_id: bytes) -> bytes:
         raise NotImplementedError
 
-    def ratelimit_headers(self, limit: int, remaining: int, reset_at: float) -> bytes:
+    def ratelimit_headers(self, limit: int, remaining: int, reset_at: float, *, reset_s: float | None = None) -> bytes:
+        """The rate-limit headers: ``limit`` per minute, ``remaining``, reset at ``reset_at`` (wall clock);
+        ``reset_s`` (seconds from now) when the limiter's reset is worth advertising in seconds."""
         raise NotImplementedError
 
     def answer(self, body: dict[str, Any], key: str | None, fault: str | None) -> Answer:

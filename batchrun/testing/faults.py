@@ -3,12 +3,10 @@ and how its provider batches behave (:class:`BatchFaults`)."""
 
 from __future__ import annotations
 
-import collections
-import time
 from dataclasses import dataclass
 from typing import Literal
 
-_RPM_WINDOW_S = 60.0
+from batchrun.testing.limiters import Limiter, Shape
 
 
 @dataclass
@@ -22,8 +20,9 @@ class Faults:
     p_stream_error: new faults join at the end, so a seed keeps its fates. Deterministic
     faults are applied first: ``status_override``, then the 429 burst window, then
     ``rpm_limit``. Retry-After is whole seconds rounded up, plus ``retry-after-ms`` when
-    the wait is fractional; burst 429s advertise the rest of the burst and rpm 429s the
-    time until a slot frees. Every fault is answered in the shape of the API asked.
+    the wait is fractional (unless ``retry_after_integer``); burst 429s advertise the rest
+    of the burst and rpm 429s the time until a slot frees. Every fault is answered in the
+    shape of the API asked.
     """
 
     latency_s: float = 0.0  # added before answering (asyncio.sleep); a stream's first event too
@@ -52,6 +51,11 @@ class Faults:
     # Enforce rpm_limit over a shorter sliding window, scaled (1.0: at most rpm_limit/60 per second),
     # as providers may do.
     rpm_window_s: float = 60.0
+    # How rpm_limit is enforced (batchrun.testing.limiters): "sliding" window, "fixed" window
+    # (a counter reset every rpm_window_s), or a token "bucket" of rpm_burst tokens.
+    rpm_shape: Shape = "sliding"
+    rpm_burst: float = 1.0
+    retry_after_integer: bool = False  # 429s carry only an integer Retry-After, no retry-after-ms
     seed: int | None = None  # random.Random(seed); changing it while running reseeds
     p_overloaded: float = 0.0  # Messages: 529 overloaded_error; OpenAI routes: 503
     # Streamed: headers and about half the events, then the connection closes with no terminal
@@ -103,7 +107,7 @@ class BatchFaults:
 
 
 def fate(
-    f: Faults, u: float, since_start_s: float, window: RequestWindow, now: float,
+    f: Faults, u: float, since_start_s: float, window: Limiter, now: float,
     overloaded_status: int, stream: bool,
 ) -> tuple[str, int | None, float | None]:
     """(outcome, status, Retry-After seconds or None) of a request whose fate draw is ``u``.
@@ -158,43 +162,3 @@ def content_fault(f: Faults, v: float) -> str | None:
         if v < acc:
             return name
     return None
-
-
-class RequestWindow:
-    """The requests accepted in a sliding window, for :attr:`Faults.rpm_limit`."""
-
-    def __init__(self) -> None:
-        self._accepted: collections.deque[float] = collections.deque()
-
-    def take(self, limit: int, now: float, window_s: float = _RPM_WINDOW_S) -> float:
-        """Take a slot in the sliding window; returns 0.0 or the seconds until one frees."""
-        window = self._accepted
-        allowed = _window_allowance(limit, window_s)
-        cutoff = now - window_s
-        while window and window[0] <= cutoff:
-            window.popleft()
-        if allowed <= 0:
-            return window_s
-        if len(window) < allowed:
-            window.append(now)
-            return 0.0
-        # the slot frees when the entry `allowed` places from the end leaves the window
-        return max(window[-allowed] + window_s - now, 0.001)
-
-    def remaining(self, limit: int, now: float, window_s: float = _RPM_WINDOW_S) -> int:
-        """Slots free in the sliding window now."""
-        window = self._accepted
-        cutoff = now - window_s
-        while window and window[0] <= cutoff:
-            window.popleft()
-        return max(_window_allowance(limit, window_s) - len(window), 0)
-
-    def reset_at(self, now: float, window_s: float) -> float:
-        """Wall-clock time at which the window is empty again (every slot free)."""
-        window = self._accepted
-        return time.time() + (max(window[-1] + window_s - now, 0.0) if window else 0.0)
-
-
-def _window_allowance(rpm: int, window_s: float) -> int:
-    """Requests allowed per sliding window of ``window_s`` for a per-minute limit."""
-    return int(rpm * window_s / _RPM_WINDOW_S)

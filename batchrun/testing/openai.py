@@ -16,6 +16,8 @@ Streams (one chunk per event, the answer in 16-character deltas):
 
 from __future__ import annotations
 
+import math
+
 import time
 from typing import Any
 
@@ -94,9 +96,11 @@ class OpenAIApi(Api):
     def error_body(self, status: int, message: str | None, req_id: bytes) -> bytes:
         return _error_body(status, message)
 
-    def ratelimit_headers(self, limit: int, remaining: int, reset_at: float) -> bytes:
-        return b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n" % (
-            limit, remaining)
+    def ratelimit_headers(self, limit: int, remaining: int, reset_at: float, *, reset_s: float | None = None) -> bytes:
+        head = b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n" % (limit, remaining)
+        if reset_s is not None:
+            head += b"x-ratelimit-reset-requests: %dms\r\n" % math.ceil(reset_s * 1000.0)
+        return head
 
 
 class ChatApi(OpenAIApi):

@@ -18,7 +18,8 @@ import orjson
 from batchrun.testing.anthropic import MessagesApi
 from batchrun.testing.answers import Answer, default_key_fn, messages_key
 from batchrun.testing.api import Api, spoil_frame
-from batchrun.testing.faults import BatchFaults, Faults, RequestWindow, content_fault, fate
+from batchrun.testing.faults import BatchFaults, Faults, content_fault, fate
+from batchrun.testing.limiters import Limiter, make_limiter
 from batchrun.testing.openai import ChatApi, ResponsesApi
 from batchrun.testing.refusals import Refusals
 from batchrun.testing.request_log import RequestRecord, new_record
@@ -99,7 +100,7 @@ class FakeProviderServer:
         self._seq = 0
         self._rng_seed = self.faults.seed
         self._rng = random.Random(self._rng_seed)
-        self._window = RequestWindow()
+        self._limiters: dict[tuple[str, float], Limiter] = {}
         self._t0 = time.monotonic()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -401,6 +402,10 @@ class FakeProviderServer:
         delay = f.latency_s + jitter_u * f.latency_jitter_s
         now_m = time.monotonic()
         req_id = b"%d" % seq
+        # One limiter per shape: changing the faults' shape while running starts a fresh one.
+        limiter = self._limiters.get((f.rpm_shape, f.rpm_burst))
+        if limiter is None:
+            limiter = self._limiters[(f.rpm_shape, f.rpm_burst)] = make_limiter(f.rpm_shape, f.rpm_burst)
 
         shape = api if api is not None else _CHAT  # unknown paths answer in OpenAI's shape
         stream = False
@@ -429,13 +434,14 @@ class FakeProviderServer:
                 outcome = "not_found" if status == 404 else "bad_request"
             else:
                 outcome, status, retry_after = fate(
-                    f, u, now_m - self._t0, self._window, now_m, api.overloaded_status, stream)
+                    f, u, now_m - self._t0, limiter, now_m, api.overloaded_status, stream)
                 if retry_after is not None:
-                    extra = retry_after_headers(retry_after)
+                    extra = retry_after_headers(retry_after, integer=f.retry_after_integer)
         if f.rpm_limit is not None:
+            reset_s = limiter.reset_s(f.rpm_limit, now_m, f.rpm_window_s)
             extra += shape.ratelimit_headers(
-                f.rpm_limit, self._window.remaining(f.rpm_limit, now_m, f.rpm_window_s),
-                self._window.reset_at(now_m, f.rpm_window_s))
+                f.rpm_limit, limiter.remaining(f.rpm_limit, now_m, f.rpm_window_s), time.time() + reset_s,
+                reset_s=reset_s if f.rpm_shape != "sliding" else None)
 
         def record(outcome: str, status: int | None, completion_tokens: int = 0, fault: str | None = None) -> None:
             self._record(new_record(

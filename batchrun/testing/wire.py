@@ -70,11 +70,12 @@ class StreamedRequest(NamedTuple):
         return None
 
 
-def retry_after_headers(seconds: float) -> bytes:
-    """``Retry-After`` (whole seconds, rounded up) plus ``retry-after-ms`` when fractional."""
+def retry_after_headers(seconds: float, *, integer: bool = False) -> bytes:
+    """``Retry-After`` (whole seconds, rounded up) plus ``retry-after-ms`` when fractional
+    (never with ``integer``, as servers that send only the standard header)."""
     s = max(0.0, seconds)
     whole = math.ceil(s)
-    if whole == s:
+    if whole == s or integer:
         return b"retry-after: %d\r\n" % whole
     return b"retry-after: %d\r\nretry-after-ms: %d\r\n" % (whole, math.ceil(s * 1000.0))
 

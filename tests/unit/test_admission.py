@@ -15,7 +15,7 @@ from batchrun.errors import BudgetExceededError, RetryableError
 from batchrun.pricing import Price
 from batchrun.providers import Reply
 from batchrun.providers.base import RateLimits
-from batchrun.ratelimit import AdaptiveConcurrency, RequestWindow, SendPacer, TokenBucket
+from batchrun.ratelimit import AdaptiveConcurrency, AimdRate, RequestWindow, SendPacer, TokenBucket
 
 # $1 per token at the worst-case rate: a request estimated at 5 tokens holds $5.
 PRICE = Price(input=250_000.0, output=1_000_000.0, cached_input=100_000.0)
@@ -303,15 +303,41 @@ def test_the_pace_follows_this_runs_answers_and_a_new_limit() -> None:
     asyncio.run(go())
 
 
-def test_a_429_shrinks_the_window_pauses_everyone_and_slows_the_budgets() -> None:
+def test_a_429_in_a_paced_run_slows_the_budgets_and_pauses_everyone_but_keeps_the_slots() -> None:
     async def go() -> None:
         parts = Parts(requests=TokenBucket(600), tokens=TokenBucket(60_000))
         rates = (parts.requests.rate, parts.tokens.rate)
-        parts.admission.on_rate_limited(2.0)
-        assert parts.controller.allowed == 1 and 1.5 < parts.controller.paused_for() <= 2.0
+        parts.admission.on_rate_limited(0.35)  # an exact wait (retry-after-ms): obeyed as it is
+        assert parts.controller.allowed == 2 and 0.3 < parts.controller.paused_for() <= 0.35
         assert parts.requests.rate < rates[0] and parts.tokens.rate < rates[1]
         parts.admission.on_answer(None, 0.1)
         assert parts.requests.rate > rates[0] * 0.8  # eased back a little per clean answer
+
+    asyncio.run(go())
+
+
+def test_a_whole_second_retry_after_pauses_a_paced_run_for_its_lower_bound() -> None:
+    async def go() -> None:
+        parts = Parts(requests=TokenBucket(600), tokens=TokenBucket(60_000))
+        parts.admission.on_rate_limited(3.0)  # an integer, rounded up: the wait is in (2, 3]
+        assert 1.9 < parts.controller.paused_for() <= 2.0
+        parts.admission.on_rate_limited(1.0)  # (0, 1]: two sends at the pace (~10/s, slowed)
+        assert parts.controller.paused_for() <= 2.0
+        fresh = Parts(requests=TokenBucket(600), tokens=TokenBucket(60_000))
+        fresh.admission.on_rate_limited(1.0)
+        assert 0.15 < fresh.controller.paused_for() <= 0.35 and fresh.controller.allowed == 2
+
+    asyncio.run(go())
+
+
+def test_the_first_429_of_a_run_nothing_paces_halves_the_window_and_obeys_retry_after_in_full() -> None:
+    async def go() -> None:
+        controller = AdaptiveConcurrency(8, initial=8)
+        admission = Admission(controller)
+        assert isinstance(admission.request_budget, AimdRate) and admission.request_budget.rate is None
+        admission.on_rate_limited(1.0)
+        assert controller.allowed == 4 and 0.9 < controller.paused_for() <= 1.0
+        assert admission.request_budget.rate is not None  # paced from now on: the limit is being learnt
 
     asyncio.run(go())
 
