@@ -12,7 +12,6 @@ transaction) charges nothing twice.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,9 +22,8 @@ from sqlalchemy import Connection, case, func, insert, select, update
 
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import items as items_t
-from batchrun.ledger.models import runs as runs_t
 from batchrun.ledger.models import shards as shards_t
-from batchrun.ledger.store import AttemptRecord, Ledger, Outcome, _no_nul, _pid_alive
+from batchrun.ledger.store import AttemptRecord, Ledger, Outcome, _no_nul
 from batchrun.states import OPEN_SHARD_STATES, ItemState, ShardState
 
 # What a shard's row may be updated with after it is made (ShardLedger.update).
@@ -231,16 +229,6 @@ class ShardLedger:
                 .order_by(shards_t.c.id.desc()).limit(limit)
             ).scalars().all()
         return sorted(float(r) for r in rows if r is not None and r >= 0)
-
-    def run_may_be_alive(self, run_id: str | None) -> bool:
-        """Whether the run may still be at work: not ended, and not a process known dead on this host."""
-        if run_id is None:
-            return False
-        with self.engine.connect() as conn:
-            row = conn.execute(select(runs_t.c.pid, runs_t.c.host, runs_t.c.ended_at).where(runs_t.c.id == run_id)).first()
-        if row is None or row.ended_at is not None:
-            return False
-        return not (row.host == socket.gethostname() and not _pid_alive(row.pid))
 
     def now(self) -> float:
         """Now, by the clock shard times are kept in (the database's on PostgreSQL)."""

@@ -171,8 +171,27 @@ class BatchWorker:
             cancel_s=bf.cancel_s, seed=seed, shuffle=bf.shuffle, **fields))
         self.save(batch)
         self.batches[batch_id] = batch
+        self._log_created(batch)
         self.wake()
         return batch
+
+    def _log_created(self, batch: Batch) -> None:
+        """Append the new batch to the store's created log, with the key of each request it holds."""
+        r = batch.rec
+        kind, api = self.kinds[r.kind], APIS[r.api]
+        keys: list[str | None] = []
+        with open(self.store.requests_path(r.id), "rb") as f:
+            for raw in f:
+                if not raw.strip():
+                    continue
+                try:
+                    body = kind.request(orjson.loads(raw))[1]
+                except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+                    body = None
+                keys.append(self.host.key_for(api, body) if isinstance(body, dict) else None)
+        self.store.append_created({"id": r.id, "kind": r.kind, "created_at": r.created_at,
+                                   "input_file_id": r.input_file_id, "metadata": r.metadata,
+                                   "total": len(keys), "keys": keys})
 
     def save(self, batch: Batch) -> None:
         self.store.save_batch(batch.rec)

@@ -255,6 +255,13 @@ class FakeProviderServer:
         # dict.copy: one step under the GIL, while the server's loop may be counting
         return collections.Counter(dict.copy(batches.calls) if batches is not None else {})
 
+    def created_batches(self) -> list[dict[str, Any]]:
+        """Every provider batch this server made (its state directory's ``created.jsonl``, so across
+        restarts on one directory too), oldest first: id, kind, created_at, input_file_id,
+        metadata, total, and ``keys``, the log key of each request it holds."""
+        batches = self._batches
+        return batches.created() if batches is not None else []
+
     def reset_log(self) -> None:
         """Forget the log and the per-key counters (``seq`` keeps counting)."""
         with self._lock:

@@ -256,3 +256,29 @@ def test_a_kill_while_ending_writes_the_same_files_again(tmp_path: Path) -> None
         outputs = client.get("/files", params={"purpose": "batch_output"}).json()["data"]
         assert len(outputs) == 2
         assert server.billed_by_key() == Counter(line["custom_id"] for line in out)
+
+
+def test_a_slow_create_makes_its_batch_though_the_client_left_and_logs_it(tmp_path: Path) -> None:
+    """``create_s``: the batch is made that long after the body is in, whether the client is still there or
+    not (a client timed out or killed meanwhile); each batch made is logged with its requests' keys, in the
+    state directory, across a restart."""
+    state = tmp_path / "state"
+    faults = BatchFaults(turnaround_s=0.3, create_s=0.6)
+    with FakeProviderServer(batch_faults=faults, batch_state_dir=state) as server:
+        with httpx.Client(base_url=server.base_url, timeout=10) as openai, \
+                httpx.Client(base_url=server.anthropic_base_url, timeout=0.2, headers=ANTHROPIC_HEADERS) as gone:
+            file_id = upload(openai, jsonl([chat_line("o1"), chat_line("o2")]))
+            began = time.monotonic()
+            made = openai.post("/batches", json={"input_file_id": file_id, **CREATE, "metadata": {"s": "1"}})
+            assert made.status_code == 200 and time.monotonic() - began >= 0.6
+            with pytest.raises(httpx.ReadTimeout):
+                gone.post("/v1/messages/batches", json={"requests": [messages_request("a1")]})
+            assert [b["kind"] for b in server.created_batches()] == ["openai"]
+            wait_until(lambda: {}, lambda _: len(server.created_batches()) == 2)
+        created = server.created_batches()
+        assert [(b["kind"], b["total"], b["keys"]) for b in created] == [
+            ("openai", 2, ["o1", "o2"]), ("anthropic", 1, ["a1"])]
+        assert created[0]["id"] == made.json()["id"] and created[0]["metadata"] == {"s": "1"}
+        assert created[0]["input_file_id"] == file_id
+    with FakeProviderServer(batch_faults=faults, batch_state_dir=state) as again:
+        assert again.created_batches() == created
