@@ -21,7 +21,8 @@ lock, and every provider call is made only once the ledger says what it is for:
    item by custom_id, judge it as an online answer is judged (usage, batch-rate cost,
    schema, error class), write back in batches; lines never worked (expired,
    cancelled) and items missing from the results go back to pending, uncharged.
-   Then delete the shard's files at the provider (``[batch] keep_files`` keeps them).
+   Then delete the shard's files at the provider (``[batch] keep_files`` keeps them); the shard is
+   marked until they are gone, so a run that died first leaves the next one to delete them.
 
 It stops when nothing is left, when told to (signal, deadline), or — without
 ``wait`` — once all it can do now is wait for the provider (``StopReason.AT_PROVIDER``:
@@ -236,6 +237,11 @@ class BatchRunner:
                            go_online=self._go_online)
 
     async def _loop(self) -> None:
+        if not self.spec.batch.keep_files:  # an earlier run collected these, and died before deleting their files
+            for shard in await self._ledger(self.shards.files_left, self.job.id):
+                if self.stopping:
+                    return
+                await self._discard(shard)
         while not self.stopping:
             shards = await self._ledger(self.shards.shards, self.job.id, open_only=True)
             for shard in shards:
@@ -719,21 +725,32 @@ class BatchRunner:
             log.warning("shard %d: %d results lines landed on no item of it (written back already by an earlier "
                         "run, or not its lines)", shard.id, unknown)
         left = ItemState.CANCELLED if shard.cancel_reason == "user" else ItemState.PENDING
-        back = await self._ledger(self.shards.close, shard, self.run_id, left=left)
+        # None of the results are its items (and none still submitted landed): not its batch, so not its files.
+        foreign = bool(unknown) and not landed and await self._ledger(self.shards.holds, shard.id) == shard.requests
+        discard = not foreign and not self.spec.batch.keep_files
+        back = await self._ledger(self.shards.close, shard, self.run_id, left=left, files_left=discard)
         self.stats.back += back
         self.stats.shards_collected += 1
         self._next_poll.pop(shard.id, None)
         settled[left] += back
         told = ", ".join(f"{n} {'again' if state == ItemState.PENDING else state}" for state, n in settled.items() if n)
         self._event(f"shard {shard.id}: collected ({batch.status}): {told or 'nothing in it'}")
-        if unknown and not landed and back == shard.requests:
+        if foreign:
             log.error("shard %d: none of batch %s's results are its items: its files are left at the provider",
                       shard.id, shard.batch_id)
-        elif not self.spec.batch.keep_files:
-            try:
-                await self.api.discard(await self._ledger(self.shards.get, shard.id))
-            except ProviderError as exc:
-                log.warning("shard %d: its files could not be deleted at the provider: %s", shard.id, exc.message)
+        elif discard:
+            await self._discard(await self._ledger(self.shards.get, shard.id))
+
+    async def _discard(self, shard: ShardRecord) -> None:
+        """Delete a collected shard's files at the provider, then clear its mark; a failure leaves the
+        mark, and the next run tries again."""
+        try:
+            await self.api.discard(shard)
+        except ProviderError as exc:
+            log.warning("shard %d: its files could not be deleted at the provider (the next run tries again): %s",
+                        shard.id, exc.message)
+            return
+        await self._ledger(self.shards.update, shard, self.run_id, error=None)
 
     async def _write_back(self, shard: ShardRecord, lines: list[ResultLine], settled: collections.Counter[str]) -> int:
         """Judge and record one chunk of results lines, counting the items' new states into ``settled``;

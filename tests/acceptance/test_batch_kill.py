@@ -142,6 +142,13 @@ class Provider:
     def created(self) -> list[dict[str, Any]]:
         return read_created(self.state)
 
+    def left(self) -> list[str]:
+        """What is still stored at the provider that a client can delete: OpenAI files, Anthropic batches."""
+        files = [p.stem for p in (self.state / "files").glob("*.json")]
+        batches = [p.parent.name for p in (self.state / "batches").glob("*/batch.json")
+                   if orjson.loads(p.read_bytes())["kind"] == "anthropic"]
+        return files + batches
+
 
 @dataclass
 class Round:
@@ -155,7 +162,9 @@ class Round:
     unbilled: int = 0
     created_twice: int = 0
     mismatches: int = 0
+    files_left: int = 0  # files (OpenAI) or batches (Anthropic) never deleted at the provider
     seconds: float = 0.0
+    stops: list[str] = field(default_factory=list)  # why a resume exited 75 before the one that finished
 
 
 class Ledger:
@@ -164,12 +173,21 @@ class Ledger:
     def __init__(self, url: str) -> None:
         self.engine = create_engine(url if "://" in url else f"sqlite:///{url}")
 
-    def shard_states(self) -> list[str]:
+    def shards(self) -> dict[int, tuple[str, int]]:
+        """Each shard's state and how many creates it was sent."""
         try:
             with self.engine.connect() as conn:
-                return [str(s) for s in conn.execute(text("select state from shards order by id")).scalars()]
+                return {int(i): (str(s), int(c or 0))
+                        for i, s, c in conn.execute(text("select id, state, creates from shards"))}
         except (OperationalError, ProgrammingError):
-            return []  # not made yet, or busy
+            return {}  # not made yet, or busy
+
+    def items(self) -> int:
+        try:
+            with self.engine.connect() as conn:
+                return int(conn.execute(text("select count(*) from items")).scalar() or 0)
+        except (OperationalError, ProgrammingError):
+            return 0
 
     def spend(self) -> float:
         with self.engine.connect() as conn:
@@ -209,10 +227,12 @@ def kill(proc: subprocess.Popen[bytes]) -> bool:
 
 
 def until(proc: subprocess.Popen[bytes], ledger: Ledger, want: str, timeout: float = 20.0) -> bool:
-    """Wait until a shard is in state ``want`` (or the process ends); whether it was seen."""
+    """Wait until this process moves a shard into state ``want`` (a new shard, a state it was not in when
+    the process started, or another create sent); False if the process ends or time runs out first."""
+    before = ledger.shards()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if want in ledger.shard_states():
+        if any(now[0] == want and before.get(i) != now for i, now in ledger.shards().items()):
             return True
         time.sleep(0.005)
     return False
@@ -236,6 +256,8 @@ def check(provider: Provider, ledger: Ledger, out: Path, n: int, result: Round) 
     assert set(billed) == keys and result.billed_twice == 0, f"billed twice: {[k for k, v in billed.items() if v > 1]}"
     assert result.created_twice == 0 and set(held) == keys, "an item was in two provider batches"
     assert result.mismatches == 0, f"export not exact: {len(exported)} lines for {n} records"
+    result.files_left = len(provider.left())
+    assert result.files_left == 0, f"left at the provider: {provider.left()}"
     usage = sum(r["prompt_tokens"] * BATCH_INPUT + r["completion_tokens"] * BATCH_OUTPUT
                 for r in lines if r["status"] == 200) / 1e6
     assert ledger.spend() == pytest.approx(usage, rel=1e-9, abs=1e-12), "ledger spend == server usage x batch price"
@@ -257,6 +279,7 @@ def play(root: Path, db: str, kind: str, seed: int, *, n: int = 60, kills: int =
         "--batch-p-poll-429", "0.05",
     )
     ledger = Ledger(db)
+    proc: subprocess.Popen[bytes] | None = None
     try:
         spec, data = write_job(root, provider, kind, n, max_requests=rng.choice((15, 20, 30)), create_timeout="2s")
         out = root / "out.jsonl"
@@ -271,22 +294,28 @@ def play(root: Path, db: str, kind: str, seed: int, *, n: int = 60, kills: int =
                 time.sleep(rng.uniform(0.3, 4.0))
             elif until(proc, ledger, WANT[trigger]):
                 time.sleep(rng.uniform(0.0, 0.15))
+            else:
+                trigger = "late"  # the moment never came: killed whenever it is
             if step == restart_at:
                 provider.restart()
             if kill(proc):
                 result.kills[trigger] += 1
-            args = ["resume", "1", "--wait", "--db", db, "--output", str(out), "--quiet"]
+            if ledger.items() == n:  # stored: from here on the job is resumed (else submitted again)
+                args = ["resume", "1", "--wait", "--db", db, "--output", str(out), "--quiet"]
         for _ in range(10):
             result.runs += 1
             done = run_cli(root, *args, timeout=180)
             if done.returncode == 0:
                 break
             assert done.returncode == 75, done.stderr
+            result.stops.append(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "")
         else:
             raise AssertionError("resume never finished the job")
         result.restarts = provider.restarts
         check(provider, ledger, out, n, result)
     finally:
+        if proc is not None:
+            kill(proc)
         ledger.close()
         provider.close()
     result.seconds = time.monotonic() - began
@@ -322,9 +351,9 @@ def test_a_create_at_the_provider_when_its_sender_is_killed_is_waited_out_not_se
         out = tmp_path / "out.jsonl"
         proc = start(tmp_path, ["submit", str(spec), "--input", str(data), "--mode", "batch", "--wait",
                                 "--db", db, "--quiet"])
-        assert until(proc, ledger, "creating"), (tmp_path / "batchrun.err").read_text()
+        seen = until(proc, ledger, "creating")
         time.sleep(0.5)  # the create's body is in: the provider is making the batch
-        assert kill(proc)
+        assert kill(proc) and seen, (tmp_path / "batchrun.err").read_text()
         assert provider.created() == []
         done = run_cli(tmp_path, "resume", "1", "--wait", "--db", db, "--output", str(out), "--quiet")
         assert done.returncode == 0, done.stderr
@@ -340,14 +369,17 @@ def test_killed_at_each_moment_and_resumed_every_record_is_billed_once(tmp_path:
     seed = 7 if kind == "openai" else 8
     result = play(tmp_path, str(tmp_path / "ledger.db"), kind, seed)
     assert sum(result.kills.values()) >= 2, result
+    print(result)
 
 
 def test_on_postgresql_too(tmp_path: Path, pg_db: str) -> None:
     result = play(tmp_path, pg_db, "openai", 21, kills=2)
     assert sum(result.kills.values()) >= 1, result
+    print(result)
 
 
 @pytest.mark.skipif(ROUNDS <= 0, reason="set BATCHRUN_BATCHKILL_ROUNDS=N for a campaign of N rounds")
+@pytest.mark.timeout(180 * max(ROUNDS, 1))
 def test_campaign(tmp_path: Path) -> None:
     rounds: list[Round] = []
     for seed in range(1000, 1000 + ROUNDS):
@@ -366,12 +398,13 @@ def test_campaign(tmp_path: Path) -> None:
         rounds.append(result)
         print(f"{result.name}: {result.runs} runs, kills {dict(result.kills)}, {result.restarts} provider "
               f"restarts, billed twice {result.billed_twice}, created twice {result.created_twice}, "
-              f"export mismatches {result.mismatches}, {result.seconds:.1f} s", flush=True)
+              f"export mismatches {result.mismatches}, files left {result.files_left}, {result.seconds:.1f} s"
+              + (f"; resumes that stopped early: {result.stops}" if result.stops else ""), flush=True)
     kills: collections.Counter[str] = collections.Counter()
     for r in rounds:
         kills.update(r.kills)
     print(f"campaign: {len(rounds)} rounds, {sum(kills.values())} kills {dict(kills)}, "
           f"{sum(r.restarts for r in rounds)} provider restarts, billed twice {sum(r.billed_twice for r in rounds)}, "
           f"created twice {sum(r.created_twice for r in rounds)}, export mismatches "
-          f"{sum(r.mismatches for r in rounds)}", flush=True)
+          f"{sum(r.mismatches for r in rounds)}, files left {sum(r.files_left for r in rounds)}", flush=True)
 

@@ -401,6 +401,35 @@ def test_a_create_that_got_no_answer_is_waited_out_before_it_is_sent_again(
     billed_once(server, 10)
 
 
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_files_a_run_could_not_delete_are_deleted_by_the_next_run(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], kind: str
+) -> None:
+    """The shard is collected and marked in one transaction; a run that dies (or is refused) before its
+    files are deleted at the provider leaves the mark, and the next run deletes them."""
+
+    async def refuse_deletes(request: httpx.Request) -> httpx.Response | None:
+        if request.method == "DELETE":
+            return httpx.Response(400, json={"error": {"message": "not now", "type": "invalid_request_error"},
+                                             "type": "error"})
+        return None
+
+    def left_at_provider() -> list[str]:
+        with httpx.Client(timeout=10, headers={"anthropic-version": "2023-06-01"}) as client:
+            if kind == "anthropic":
+                return [b["id"] for b in client.get(server.anthropic_base_url + "/v1/messages/batches").json()["data"]]
+            return [f["id"] for f in client.get(server.base_url + "/files").json()["data"]]
+
+    job_id = submit(ledger, spec_for(server, kind), write_jsonl(records(6)))
+    assert run(ledger, job_id, transport=Intercept(refuse_deletes)).exit_code == ExitCode.OK
+    [shard] = ShardLedger(ledger).shards(job_id)
+    assert ShardLedger(ledger).files_left(job_id) == [shard] and left_at_provider()
+    assert run(ledger, job_id).exit_code == ExitCode.OK
+    assert ShardLedger(ledger).files_left(job_id) == [] and left_at_provider() == []
+    assert ShardLedger(ledger).get(shard.id).error is None
+    billed_once(server, 6)
+
+
 def test_an_anthropic_shard_never_adopts_a_sibling_shards_batch(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
