@@ -580,6 +580,9 @@ class BatchRunner:
             left = (shard.create_sent_at or shard.created_at) + timeout + create_margin(timeout) - (
                 time.time() + self._ledger_ahead)
             if left > 0:
+                if shard.id not in self._parked:
+                    self._event(f"shard {shard.id}: its create got no answer and may still be made at the provider; "
+                                f"looking for it for up to {left:.0f} s before sending it again")
                 self._parked.add(shard.id)
                 self._next_poll[shard.id] = time.monotonic() + min(left, self.options.reconcile_wait)
                 return

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -300,6 +299,8 @@ def play(root: Path, db: str, kind: str, seed: int, *, n: int = 60, kills: int =
                 provider.restart()
             if kill(proc):
                 result.kills[trigger] += 1
+            elif proc.returncode != 0:
+                result.stops.append(f"a run ended by itself with exit {proc.returncode}")
             if ledger.items() == n:  # stored: from here on the job is resumed (else submitted again)
                 args = ["resume", "1", "--wait", "--db", db, "--output", str(out), "--quiet"]
         for _ in range(10):
@@ -322,22 +323,6 @@ def play(root: Path, db: str, kind: str, seed: int, *, n: int = 60, kills: int =
     return result
 
 
-@pytest.fixture
-def pg_db() -> Iterator[str]:
-    if not PG_URL:
-        pytest.skip("set BATCHRUN_TEST_PG to a PostgreSQL URL to run PostgreSQL tests")
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL)
-    with admin.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield pg_schema_url(schema)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
-
-
 def test_a_create_at_the_provider_when_its_sender_is_killed_is_waited_out_not_sent_again(tmp_path: Path) -> None:
     """The create request is at the provider (which takes 13 s to make the batch) when batchrun is killed.
     The sender is dead, but its create is not: resume waits until the create's timeout and a margin have
@@ -355,9 +340,11 @@ def test_a_create_at_the_provider_when_its_sender_is_killed_is_waited_out_not_se
         time.sleep(0.5)  # the create's body is in: the provider is making the batch
         assert kill(proc) and seen, (tmp_path / "batchrun.err").read_text()
         assert provider.created() == []
-        done = run_cli(tmp_path, "resume", "1", "--wait", "--db", db, "--output", str(out), "--quiet")
+        done = run_cli(tmp_path, "resume", "1", "--wait", "--db", db, "--output", str(out))
         assert done.returncode == 0, done.stderr
+        assert "its create got no answer and may still be made at the provider" in done.stderr
         assert len(provider.created()) == 1, "the batch was created twice"
+        assert "found at the provider" in done.stderr
         check(provider, ledger, out, 10, Round("hole"))
     finally:
         ledger.close()
@@ -372,10 +359,20 @@ def test_killed_at_each_moment_and_resumed_every_record_is_billed_once(tmp_path:
     print(result)
 
 
-def test_on_postgresql_too(tmp_path: Path, pg_db: str) -> None:
-    result = play(tmp_path, pg_db, "openai", 21, kills=2)
+def test_on_postgresql_too(tmp_path: Path, pg_url: str) -> None:
+    result = play(tmp_path, pg_url, "openai", 21, kills=2)
     assert sum(result.kills.values()) >= 1, result
     print(result)
+
+
+def on_pg(statement: str) -> None:
+    assert PG_URL
+    engine = create_engine(PG_URL)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(statement))
+    finally:
+        engine.dispose()
 
 
 @pytest.mark.skipif(ROUNDS <= 0, reason="set BATCHRUN_BATCHKILL_ROUNDS=N for a campaign of N rounds")
@@ -386,15 +383,15 @@ def test_campaign(tmp_path: Path) -> None:
         root = tmp_path / f"round-{seed}"
         root.mkdir()
         kind = ("openai", "anthropic")[seed % 2]
-        db = str(root / "ledger.db")
-        if PG_URL and seed % 4 >= 2:
-            schema = f"t_{uuid.uuid4().hex[:12]}"
-            admin = create_engine(PG_URL)
-            with admin.begin() as conn:
-                conn.execute(text(f"CREATE SCHEMA {schema}"))
-            admin.dispose()
-            db = pg_schema_url(schema)
-        result = play(root, db, kind, seed, n=120, kills=random.Random(seed).randint(2, 5))
+        schema = f"t_{uuid.uuid4().hex[:12]}" if PG_URL and seed % 4 >= 2 else None  # half the rounds on PG
+        db = pg_schema_url(schema) if schema else str(root / "ledger.db")
+        if schema:
+            on_pg(f"CREATE SCHEMA {schema}")
+        try:
+            result = play(root, db, kind, seed, n=120, kills=random.Random(seed).randint(2, 5))
+        finally:
+            if schema:
+                on_pg(f"DROP SCHEMA {schema} CASCADE")
         rounds.append(result)
         print(f"{result.name}: {result.runs} runs, kills {dict(result.kills)}, {result.restarts} provider "
               f"restarts, billed twice {result.billed_twice}, created twice {result.created_twice}, "
