@@ -14,8 +14,9 @@ Layout of the state directory::
     batches/<batch id>/results.jsonl  Anthropic: the results, written when the batch ends
     created.jsonl                     one line per batch created, appended when it is made:
                                       {"id", "kind", "created_at", "input_file_id", "metadata",
-                                      "total", "keys"} (``keys``: the log key of each of its
-                                      requests, in order); see :func:`read_created`
+                                      "total", "custom_ids", "keys"} (the custom_id and the log
+                                      key of each of its requests, in order); see
+                                      :func:`read_created`
     spool/                            bodies being received (emptied at start)
 
 The journal is the one record of progress: a line is answered (and billed) when its journal

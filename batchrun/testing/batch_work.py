@@ -180,18 +180,20 @@ class BatchWorker:
         r = batch.rec
         kind, api = self.kinds[r.kind], APIS[r.api]
         keys: list[str | None] = []
+        custom_ids: list[Any] = []
         with open(self.store.requests_path(r.id), "rb") as f:
             for raw in f:
                 if not raw.strip():
                     continue
                 try:
-                    body = kind.request(orjson.loads(raw))[1]
+                    custom_id, body = kind.request(orjson.loads(raw))
                 except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-                    body = None
+                    custom_id, body = None, None
+                custom_ids.append(custom_id)
                 keys.append(self.host.key_for(api, body) if isinstance(body, dict) else None)
         self.store.append_created({"id": r.id, "kind": r.kind, "created_at": r.created_at,
                                    "input_file_id": r.input_file_id, "metadata": r.metadata,
-                                   "total": len(keys), "keys": keys})
+                                   "total": len(keys), "custom_ids": custom_ids, "keys": keys})
 
     def save(self, batch: Batch) -> None:
         self.store.save_batch(batch.rec)

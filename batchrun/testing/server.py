@@ -258,7 +258,7 @@ class FakeProviderServer:
     def created_batches(self) -> list[dict[str, Any]]:
         """Every provider batch this server made (its state directory's ``created.jsonl``, so across
         restarts on one directory too), oldest first: id, kind, created_at, input_file_id,
-        metadata, total, and ``keys``, the log key of each request it holds."""
+        metadata, total, and ``custom_ids`` and ``keys``: each request's custom_id and log key."""
         batches = self._batches
         return batches.created() if batches is not None else []
 

@@ -276,8 +276,8 @@ def test_a_slow_create_makes_its_batch_though_the_client_left_and_logs_it(tmp_pa
             assert [b["kind"] for b in server.created_batches()] == ["openai"]
             wait_until(lambda: {}, lambda _: len(server.created_batches()) == 2)
         created = server.created_batches()
-        assert [(b["kind"], b["total"], b["keys"]) for b in created] == [
-            ("openai", 2, ["o1", "o2"]), ("anthropic", 1, ["a1"])]
+        assert [(b["kind"], b["total"], b["custom_ids"], b["keys"]) for b in created] == [
+            ("openai", 2, ["o1", "o2"], ["o1", "o2"]), ("anthropic", 1, ["a1"], ["a1"])]
         assert created[0]["id"] == made.json()["id"] and created[0]["metadata"] == {"s": "1"}
         assert created[0]["input_file_id"] == file_id
     with FakeProviderServer(batch_faults=faults, batch_state_dir=state) as again:
