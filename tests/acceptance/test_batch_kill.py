@@ -128,14 +128,15 @@ class Provider:
     # -- what it recorded -----------------------------------------------------------------
 
     def batch_lines(self) -> list[dict[str, Any]]:
-        """Each batch line it answered, once (a line logged again after a restart counted once)."""
-        seen: dict[int, dict[str, Any]] = {}
+        """Each batch line it answered: one record per line of a batch (a batch answers each of its lines once;
+        a record written again after a restart counts once)."""
+        seen: dict[tuple[str, str], dict[str, Any]] = {}
         with self.log.open("rb") as f:
             for raw in f:
                 if not raw.endswith(b"\n") or b'"api":"batch:' not in raw:
                     continue
                 rec = orjson.loads(raw)
-                seen.setdefault(rec["seq"], rec)
+                seen.setdefault((rec["batch_id"], rec["custom_id"]), rec)
         return list(seen.values())
 
     def created(self) -> list[dict[str, Any]]:

@@ -166,6 +166,32 @@ def test_a_kill_between_journal_and_log_loses_nothing(tmp_path: Path) -> None:
     assert Counter(r["custom_id"] for r in logged) == Counter({f"a{i}": 1 for i in range(10)})
 
 
+def test_seq_goes_on_across_restarts_though_a_deleted_batch_took_its_journal(tmp_path: Path) -> None:
+    """A batch answered and deleted, a restart, another batch answered, and a kill that lost its last log
+    records: the next start writes them again, because seqs never repeat (the log file remembers them)."""
+    state, log = tmp_path / "state", tmp_path / "server.jsonl"
+    faults = BatchFaults(turnaround_s=0.3)
+
+    def batch_of(prefix: str, delete: bool) -> None:
+        with FakeProviderServer(batch_faults=faults, batch_state_dir=state, log_path=log) as server, \
+                httpx.Client(base_url=server.anthropic_base_url, timeout=10, headers=ANTHROPIC_HEADERS) as client:
+            batch_id = client.post("/v1/messages/batches", json={
+                "requests": [messages_request(f"{prefix}{i}") for i in range(5)]}).json()["id"]
+            wait_anthropic(client, batch_id)
+            if delete:
+                assert client.delete(f"/v1/messages/batches/{batch_id}").status_code == 200
+
+    batch_of("a", delete=True)
+    batch_of("b", delete=False)
+    lines = log.read_bytes().splitlines(keepends=True)
+    log.write_bytes(b"".join(lines[:-2]))  # as if killed before its last two records reached the file
+    with FakeProviderServer(batch_faults=faults, batch_state_dir=state, log_path=log):
+        pass
+    logged = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+    assert sorted(r["custom_id"] for r in logged) == sorted([f"a{i}" for i in range(5)] + [f"b{i}" for i in range(5)])
+    assert len({r["seq"] for r in logged}) == 10
+
+
 def test_online_routes_keep_their_behaviour_while_batches_run() -> None:
     with serving(BatchFaults(turnaround_s=1.0)) as (server, openai, _):
         batch_id = openai.post("/batches", json={"input_file_id": upload(openai, jsonl([chat_line(
