@@ -171,7 +171,8 @@ class Ledger:
     """A look at the ledger batchrun writes (to time the kills), over its own connection."""
 
     def __init__(self, url: str) -> None:
-        self.engine = create_engine(url if "://" in url else f"sqlite:///{url}")
+        # pre-ping: another test may restart the shared PostgreSQL server between two looks
+        self.engine = create_engine(url if "://" in url else f"sqlite:///{url}", pool_pre_ping=True)
 
     def shards(self) -> dict[int, tuple[str, int]]:
         """Each shard's state and how many creates it was sent."""
