@@ -21,7 +21,8 @@ lock, and every provider call is made only once the ledger says what it is for:
    item by custom_id, judge it as an online answer is judged (usage, batch-rate cost,
    schema, error class), write back in batches; lines never worked (expired,
    cancelled) and items missing from the results go back to pending, uncharged.
-   Then delete the shard's files at the provider (``[batch] keep_files`` keeps them).
+   Then delete the shard's files at the provider (``[batch] keep_files`` keeps them); the shard is
+   marked until they are gone, so a run that died first leaves the next one to delete them.
 
 It stops when nothing is left, when told to (signal, deadline), or — without
 ``wait`` — once all it can do now is wait for the provider (``StopReason.AT_PROVIDER``:
@@ -67,6 +68,7 @@ ID_MARGIN = 40  # bytes a line may grow by when its custom_id is replaced by one
 RESULTS_CHUNK = 500  # results lines written back per transaction
 MAX_REFUSALS = 5  # shards the provider refuses in a row before the run stops
 MAX_CREATES = 3  # create calls for one shard never seen at the provider before the run stops
+CREATE_MARGIN_S = 5.0  # at least this long past a create's timeout before its batch is taken for never made
 CANCELLING = frozenset({"cancelling", "cancelled", "canceling", "ended"})  # a cancel is under way or moot
 
 
@@ -164,7 +166,7 @@ class BatchRunner:
         self._next_poll: dict[int, float] = {}
         self._poll_every: dict[int, float] = {}
         self._missing_since: dict[int, float] = {}  # a creating shard not found at the provider, since
-        self._answered: set[int] = set()  # shards whose create call this run made and saw end
+        self._answered: set[int] = set()  # shards whose create this run sent and the provider answered (any status)
         self._parked: set[int] = set()  # creating shards that wait on the provider (look-alikes, a create in flight)
         self._refusals = 0
         self._token_cap: int | None = None  # learnt from token_limit_exceeded: enqueued tokens that fit
@@ -235,6 +237,11 @@ class BatchRunner:
                            go_online=self._go_online)
 
     async def _loop(self) -> None:
+        if not self.spec.batch.keep_files:  # an earlier run collected these, and died before deleting their files
+            for shard in await self._ledger(self.shards.files_left, self.job.id):
+                if self.stopping:
+                    return
+                await self._discard(shard)
         while not self.stopping:
             shards = await self._ledger(self.shards.shards, self.job.id, open_only=True)
             for shard in shards:
@@ -488,11 +495,12 @@ class BatchRunner:
             # The create must go out before create_timeout has passed since the fence below (a run frozen
             # in between sends nothing once it wakes): a run that takes this shard over waits that long
             # before it concludes that no create is on its way.
-            send_by = asyncio.get_running_loop().time() + self.api.create_timeout
+            timeout = self._create_timeout(shard)
+            send_by = asyncio.get_running_loop().time() + timeout
             shard = await self._ledger(self.shards.sending_create, shard, self.run_id)
             try:
                 async with asyncio.timeout_at(send_by):
-                    batch = await self.api.create(shard, path)
+                    batch = await self.api.create(shard, path, timeout)
             except BatchRefusedError as exc:
                 lines = {exc.line: exc.message} if exc.line else {}
                 await self._refused(shard, f"the provider refused to create it: {exc.message}", lines)
@@ -500,15 +508,13 @@ class BatchRunner:
             except AuthError:
                 raise
             except (ProviderError, TimeoutError) as exc:
-                self._answered.add(shard.id)
+                if isinstance(exc, ProviderError) and exc.status_code is not None:
+                    self._answered.add(shard.id)  # the provider answered it: it is done with the create
                 self._missing_since.pop(shard.id, None)
-                what = exc.message if isinstance(exc, ProviderError) else f"no answer within {self.api.create_timeout:g} s"
+                what = exc.message if isinstance(exc, ProviderError) else f"no answer within {timeout:g} s"
                 self._event(f"shard {shard.id}: create of {_n(shard.requests, 'request')} failed ({what}); "
                             "it may exist at the provider: reconciling before anything is sent again")
                 return
-            except BaseException:
-                self._answered.add(shard.id)
-                raise
         try:
             await self._adopt(shard, batch, how="created")
         except LockLostError:
@@ -517,6 +523,10 @@ class BatchRunner:
             with contextlib.suppress(ProviderError):
                 await self.api.cancel(batch.id)
             raise
+
+    def _create_timeout(self, shard: ShardRecord) -> float:
+        """Seconds a create of the shard may take: ``[batch] create_timeout``, else the provider's default."""
+        return self.spec.batch.create_timeout or self.api.create_timeout(shard.bytes)
 
     async def _adopt(self, shard: ShardRecord, batch: RemoteBatch, *, how: str) -> None:
         shard = await self._ledger(
@@ -545,7 +555,8 @@ class BatchRunner:
         self._next_poll[shard.id] = time.monotonic() + self.options.reconcile_wait
         known = await self._ledger(self.shards.known_batch_ids, shard.kind)
         sent = (shard.create_sent_at or shard.created_at) - self._ledger_ahead  # by this host's clock
-        candidates = [c for c in await self.api.candidates(shard, sent) if c.batch.id not in known]
+        timeout = self._create_timeout(shard)
+        candidates = [c for c in await self.api.candidates(shard, sent, timeout) if c.batch.id not in known]
         certain = [c.batch for c in candidates if c.certain]
         if certain:
             await self._adopt(shard, certain[0], how="found at the provider")
@@ -561,14 +572,20 @@ class BatchRunner:
             elif any(not c.batch.ended for c in candidates):
                 self._parked.add(shard.id)  # a look-alike still running may be its own: wait for it to end
                 return
-        # None is its own. Only conclude "never created" once no create of it can still be on its way
-        # (the run that sent it is this one, or dead, or its create's time is up) and a second listing agrees.
-        in_flight = shard.id not in self._answered and shard.run_id != self.run_id and (
-            time.time() + self._ledger_ahead < (shard.create_sent_at or shard.created_at) + self.api.create_timeout + 30.0
-        )
-        if in_flight and await self._ledger(self.shards.run_may_be_alive, shard.run_id):
-            self._parked.add(shard.id)
-            return
+        # None is its own. Only conclude "never created" once no create of it can still be on its way and a
+        # second listing agrees. A create the provider never answered may still be made there — its sender
+        # killed or timed out after the body went out, whether that sender is alive or not — so it is waited
+        # out: until its timeout and a margin have passed since it was sent (the ledger's clock).
+        if shard.id not in self._answered:
+            left = (shard.create_sent_at or shard.created_at) + timeout + create_margin(timeout) - (
+                time.time() + self._ledger_ahead)
+            if left > 0:
+                if shard.id not in self._parked:
+                    self._event(f"shard {shard.id}: its create got no answer and may still be made at the provider; "
+                                f"looking for it for up to {left:.0f} s before sending it again")
+                self._parked.add(shard.id)
+                self._next_poll[shard.id] = time.monotonic() + min(left, self.options.reconcile_wait)
+                return
         first = self._missing_since.setdefault(shard.id, time.monotonic())
         if time.monotonic() - first < self.options.reconcile_wait:
             return
@@ -711,21 +728,32 @@ class BatchRunner:
             log.warning("shard %d: %d results lines landed on no item of it (written back already by an earlier "
                         "run, or not its lines)", shard.id, unknown)
         left = ItemState.CANCELLED if shard.cancel_reason == "user" else ItemState.PENDING
-        back = await self._ledger(self.shards.close, shard, self.run_id, left=left)
+        # None of the results are its items (and none still submitted landed): not its batch, so not its files.
+        foreign = bool(unknown) and not landed and await self._ledger(self.shards.holds, shard.id) == shard.requests
+        discard = not foreign and not self.spec.batch.keep_files
+        back = await self._ledger(self.shards.close, shard, self.run_id, left=left, files_left=discard)
         self.stats.back += back
         self.stats.shards_collected += 1
         self._next_poll.pop(shard.id, None)
         settled[left] += back
         told = ", ".join(f"{n} {'again' if state == ItemState.PENDING else state}" for state, n in settled.items() if n)
         self._event(f"shard {shard.id}: collected ({batch.status}): {told or 'nothing in it'}")
-        if unknown and not landed and back == shard.requests:
+        if foreign:
             log.error("shard %d: none of batch %s's results are its items: its files are left at the provider",
                       shard.id, shard.batch_id)
-        elif not self.spec.batch.keep_files:
-            try:
-                await self.api.discard(await self._ledger(self.shards.get, shard.id))
-            except ProviderError as exc:
-                log.warning("shard %d: its files could not be deleted at the provider: %s", shard.id, exc.message)
+        elif discard:
+            await self._discard(await self._ledger(self.shards.get, shard.id))
+
+    async def _discard(self, shard: ShardRecord) -> None:
+        """Delete a collected shard's files at the provider, then clear its mark; a failure leaves the
+        mark, and the next run tries again."""
+        try:
+            await self.api.discard(shard)
+        except ProviderError as exc:
+            log.warning("shard %d: its files could not be deleted at the provider (the next run tries again): %s",
+                        shard.id, exc.message)
+            return
+        await self._ledger(self.shards.update, shard, self.run_id, error=None)
 
     async def _write_back(self, shard: ShardRecord, lines: list[ResultLine], settled: collections.Counter[str]) -> int:
         """Judge and record one chunk of results lines, counting the items' new states into ``settled``;
@@ -892,6 +920,11 @@ class BatchRunner:
             await asyncio.wait_for(self._stop.wait(), seconds)
         except TimeoutError:
             pass
+
+
+def create_margin(timeout: float) -> float:
+    """How long past its timeout a create that got no answer may still be made at the provider."""
+    return max(CREATE_MARGIN_S, timeout / 4)
 
 
 def _n(count: int, noun: str) -> str:

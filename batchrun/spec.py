@@ -184,6 +184,9 @@ class BatchSpec:
     poll_interval: float = 30.0  # first wait between two polls of a shard; it grows to poll_max
     poll_max: float = 300.0
     reask: str = "batch"  # an answer that fails the schema is asked again in the next shard, or "online"
+    # Seconds a create call may take (its HTTP timeout); a resume waits this long and a margin from a
+    # create that got no answer before it concludes none was made. 0: the provider's default.
+    create_timeout: float = 0.0
 
 
 BATCH_FIELDS = frozenset(f.name for f in dataclasses.fields(BatchSpec))
@@ -558,7 +561,7 @@ def _expected(default: Any) -> type:
     return bool if isinstance(default, bool) else int if isinstance(default, int) else str if isinstance(default, str) else float
 
 
-_DURATIONS = frozenset({"deadline", "poll_interval", "poll_max"})  # [batch] keys that also take "6h", "90s"
+_DURATIONS = frozenset({"deadline", "poll_interval", "poll_max", "create_timeout"})  # [batch] keys that also take "6h", "90s"
 
 
 def _parse_batch(table: Mapping[str, Any], where: str) -> BatchSpec:
@@ -579,7 +582,7 @@ def _parse_batch(table: Mapping[str, Any], where: str) -> BatchSpec:
         value = _get(table, "batch", f.name, expected, where, default)
         values[f.name] = float(value) if expected is float else value
     batch = BatchSpec(**values)
-    for key in ("max_requests", "max_bytes", "enqueued_tokens", "deadline"):
+    for key in ("max_requests", "max_bytes", "enqueued_tokens", "deadline", "create_timeout"):
         if getattr(batch, key) < 0:
             raise SpecError(f"{where}: [batch] {key} = {getattr(batch, key)}: expected a number >= 0 (0: no limit)")
     for key in ("poll_interval", "poll_max"):

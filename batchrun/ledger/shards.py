@@ -12,20 +12,18 @@ transaction) charges nothing twice.
 
 from __future__ import annotations
 
-import socket
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from sqlalchemy import Connection, case, func, insert, select, update
+from sqlalchemy import bindparam, case, func, insert, select, update
 
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import items as items_t
-from batchrun.ledger.models import runs as runs_t
 from batchrun.ledger.models import shards as shards_t
-from batchrun.ledger.store import AttemptRecord, Ledger, Outcome, _no_nul, _pid_alive
+from batchrun.ledger.store import AttemptRecord, Ledger, Outcome, _no_nul
 from batchrun.states import OPEN_SHARD_STATES, ItemState, ShardState
 
 # What a shard's row may be updated with after it is made (ShardLedger.update).
@@ -41,6 +39,8 @@ _LANDED = (
     "followups",
 )
 _BACK = ("status_code", "error_class", "error_message", "followups")
+# A collected shard's ``error`` while its files are still at the provider (ShardLedger.close).
+FILES_LEFT = "its files are still at the provider: the next run deletes them"
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,12 @@ class ShardLedger:
             ).order_by(items_t.c.id).limit(limit)
         )
 
+    def holds(self, shard_id: int) -> int:
+        """How many items the shard still holds (submitted)."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).where(
+                items_t.c.shard_id == shard_id, items_t.c.state == ItemState.SUBMITTED)).scalar() or 0)
+
     def iter_shard_items(self, shard_id: int, *, chunk: int = 2000) -> Iterator[ShardItem]:
         after = 0
         while True:
@@ -231,16 +237,6 @@ class ShardLedger:
                 .order_by(shards_t.c.id.desc()).limit(limit)
             ).scalars().all()
         return sorted(float(r) for r in rows if r is not None and r >= 0)
-
-    def run_may_be_alive(self, run_id: str | None) -> bool:
-        """Whether the run may still be at work: not ended, and not a process known dead on this host."""
-        if run_id is None:
-            return False
-        with self.engine.connect() as conn:
-            row = conn.execute(select(runs_t.c.pid, runs_t.c.host, runs_t.c.ended_at).where(runs_t.c.id == run_id)).first()
-        if row is None or row.ended_at is not None:
-            return False
-        return not (row.host == socket.gethostname() and not _pid_alive(row.pid))
 
     def now(self) -> float:
         """Now, by the clock shard times are kept in (the database's on PostgreSQL)."""
@@ -360,41 +356,53 @@ class ShardLedger:
     def record_results(
         self, shard: ShardRecord, run_id: str, outcomes: Sequence[Outcome], attempts: Sequence[AttemptRecord]
     ) -> int:
-        """Write a batch of a shard's results lines in one transaction; how many landed.
+        """Write a batch of a shard's results lines in one transaction (one statement per kind of
+        write, executemany); how many landed.
 
         An outcome lands only on an item still submitted in this shard; the attempt
         of the same item is written (and charged) only when its outcome lands.
         """
         by_item = {a.item_id: a for a in attempts}
-        landed = 0
         with self.ledger._write() as conn:
             self.ledger._renew_lock(conn, shard.job_id, run_id)
-            for outcome in outcomes:
-                attempt = by_item.get(outcome.item_id)
-                charge = 1 if attempt is not None and attempt.counted else 0
-                if outcome.state == ItemState.PENDING:
-                    values = {c: getattr(outcome, c) for c in _BACK}
-                    values.update(state=ItemState.PENDING, shard_id=None)
-                else:
-                    values = {c: getattr(outcome, c) for c in _LANDED}
+            held = (items_t.c.shard_id == shard.id) & (items_t.c.state == ItemState.SUBMITTED)
+            ids = [o.item_id for o in outcomes]
+            still: set[int] = set()
+            for start in range(0, len(ids), 1000):
+                query = select(items_t.c.id).where(items_t.c.id.in_(ids[start:start + 1000]), held)
                 if not self.ledger.is_sqlite:
-                    values = {k: _no_nul(v) for k, v in values.items()}
-                result = conn.execute(
-                    update(items_t)
-                    .where(items_t.c.id == outcome.item_id, items_t.c.shard_id == shard.id,
-                           items_t.c.state == ItemState.SUBMITTED)
-                    .values(**values, attempts=items_t.c.attempts + charge)
+                    query = query.with_for_update()
+                still.update(int(i) for i in conn.execute(query).scalars())
+            landing = [o for o in outcomes if o.item_id in still]
+            clean: Callable[[Any], Any] = _as_is if self.ledger.is_sqlite else _no_nul
+            for columns, fixed, batch in (
+                (_BACK, {"state": ItemState.PENDING, "shard_id": None},
+                 [o for o in landing if o.state == ItemState.PENDING]),
+                (_LANDED, {}, [o for o in landing if o.state != ItemState.PENDING]),
+            ):
+                if not batch:
+                    continue
+                values: dict[str, Any] = {c: bindparam(f"b_{c}") for c in columns}
+                conn.execute(
+                    update(items_t).where((items_t.c.id == bindparam("b_id")) & held)
+                    .values(**values, **fixed, attempts=items_t.c.attempts + bindparam("b_charge")),
+                    [{"b_id": o.item_id, "b_charge": _charge(by_item.get(o.item_id)),
+                      **{f"b_{c}": clean(getattr(o, c)) for c in columns}} for o in batch],
                 )
-                if result.rowcount and attempt is not None:
-                    landed += 1
-                    _insert_attempt(conn, attempt, self.ledger.is_sqlite)
-                elif result.rowcount:
-                    landed += 1
-        return landed
+            rows = [_attempt_row(a, self.ledger.is_sqlite) for o in landing if (a := by_item.get(o.item_id))]
+            if rows:
+                conn.execute(insert(attempts_t), rows)
+        return len(landing)
 
-    def close(self, shard: ShardRecord, run_id: str, *, left: ItemState = ItemState.PENDING) -> int:
+    def close(
+        self, shard: ShardRecord, run_id: str, *, left: ItemState = ItemState.PENDING, files_left: bool = False
+    ) -> int:
         """The shard's results are all in: what it still holds (lines missing from the results) goes back
-        to ``left`` (pending, uncharged; cancelled when the user cancelled it), and the shard is collected."""
+        to ``left`` (pending, uncharged; cancelled when the user cancelled it), and the shard is collected.
+
+        ``files_left``: its files are still at the provider, to be deleted — marked (``error`` is
+        :data:`FILES_LEFT`) in the same transaction, so a crash before they are deleted leaves a shard
+        that a later run deletes them for (:meth:`files_left`); cleared once they are gone."""
         with self.ledger._write() as conn:
             self.ledger._renew_lock(conn, shard.job_id, run_id)
             back = conn.execute(
@@ -405,10 +413,19 @@ class ShardLedger:
             ).rowcount
             conn.execute(
                 update(shards_t).where(shards_t.c.id == shard.id).values(
-                    state=ShardState.COLLECTED, collected_at=self.ledger._now(conn)
+                    state=ShardState.COLLECTED, collected_at=self.ledger._now(conn),
+                    **({"error": FILES_LEFT} if files_left else {}),
                 )
             )
         return int(back)
+
+    def files_left(self, job_id: int) -> list[ShardRecord]:
+        """The job's collected shards whose files are still to be deleted at the provider."""
+        with self.engine.connect() as conn:
+            return [_shard(row) for row in conn.execute(
+                select(shards_t).where(shards_t.c.job_id == job_id, shards_t.c.state == ShardState.COLLECTED,
+                                       shards_t.c.error == FILES_LEFT).order_by(shards_t.c.id)
+            )]
 
     def fail_items(self, job_id: int, run_id: str, failures: Mapping[int, tuple[str, str]]) -> None:
         """Fail pending items that cannot be put in any batch (item id -> (error class, message))."""
@@ -440,8 +457,15 @@ class ShardLedger:
         return [_shard(r) for r in rows]
 
 
-def _insert_attempt(conn: Connection, attempt: AttemptRecord, is_sqlite: bool) -> None:
+def _as_is(value: Any) -> Any:
+    return value
+
+
+def _charge(attempt: AttemptRecord | None) -> int:
+    """What an outcome adds to its item's attempts: 1 for an attempt that counts (an unworked line does not)."""
+    return 1 if attempt is not None and attempt.counted else 0
+
+
+def _attempt_row(attempt: AttemptRecord, is_sqlite: bool) -> dict[str, Any]:
     values = {k: v for k, v in attempt.__dict__.items() if k != "counted"}
-    if not is_sqlite:
-        values = {k: _no_nul(v) for k, v in values.items()}
-    conn.execute(insert(attempts_t).values(**values))
+    return values if is_sqlite else {k: _no_nul(v) for k, v in values.items()}

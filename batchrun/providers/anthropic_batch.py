@@ -51,6 +51,7 @@ ERROR_STATUS = {
 UNWORKED = {"expired": "expired", "canceled": "cancelled"}
 REQUEST_INDEX = re.compile(r"\brequests\.(\d+)\b")
 LIST_PAGES = 20  # reconciliation looks at most this many pages of 100 batches (newest first)
+CREATE_TIMEOUT_S = 60.0  # a create call's default timeout, plus a second per MB of its body
 SKEW_S = 300.0  # the provider's clock and ours may differ by this much
 
 
@@ -61,7 +62,6 @@ class AnthropicBatchApi:
     max_requests = MAX_REQUESTS
     max_bytes = MAX_BYTES
     file_format = FileFormat(b'{"requests":[', b",", b"]}")
-    create_timeout = 600.0  # the body can be 256 MB
 
     def __init__(self, provider: AnthropicProvider, *, timeout: httpx.Timeout, retry_seconds: float = 300.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
@@ -69,6 +69,10 @@ class AnthropicBatchApi:
         self.batches_url = provider.endpoint(None) + "/batches"
         self.http = BatchHttp(provider, provider.headers, timeout=timeout, retry_seconds=retry_seconds,
                               transport=transport)
+
+    def create_timeout(self, request_bytes: int) -> float:
+        """A minute, and a second per MB of body: the requests go with the create (up to 256 MB)."""
+        return CREATE_TIMEOUT_S + request_bytes / 1e6
 
     def endpoint_of(self, url: str | None) -> None:
         return None
@@ -88,7 +92,7 @@ class AnthropicBatchApi:
     async def find_upload(self, shard: ShardRecord) -> None:
         return None
 
-    async def create(self, shard: ShardRecord, path: Path) -> RemoteBatch:
+    async def create(self, shard: ShardRecord, path: Path, timeout: float) -> RemoteBatch:
         size = path.stat().st_size
 
         async def body() -> AsyncIterator[bytes]:
@@ -98,7 +102,8 @@ class AnthropicBatchApi:
 
         try:
             data = await self.http.json(
-                "POST", self.batches_url, content=body(), headers={"content-length": str(size)}, retry=False
+                "POST", self.batches_url, content=body(), headers={"content-length": str(size)}, retry=False,
+                timeout=httpx.Timeout(timeout),
             )
         except PermanentError as exc:
             # "requests.17.params.max_tokens: ...": the request it names (0-based) is the file's line 18.
@@ -109,7 +114,7 @@ class AnthropicBatchApi:
     async def get(self, batch_id: str) -> RemoteBatch:
         return batch_of(await self.http.json("GET", f"{self.batches_url}/{batch_id}"))
 
-    async def candidates(self, shard: ShardRecord, sent_at: float) -> list[Candidate]:
+    async def candidates(self, shard: ShardRecord, sent_at: float, timeout: float) -> list[Candidate]:
         """Batches created around the shard's create call (``sent_at``, our clock; the provider's is read
         from its ``Date`` headers) holding as many requests as it does.
 
@@ -117,7 +122,7 @@ class AnthropicBatchApi:
         and its results carry the shard's own line ids.
         """
         sent = sent_at + self.http.clock_skew
-        window = (sent - SKEW_S, sent + self.create_timeout + SKEW_S)
+        window = (sent - SKEW_S, sent + timeout + SKEW_S)
         found: list[Candidate] = []
         async for page in self.http.pages(self.batches_url, {"limit": 100}, cursor="after_id", max_pages=LIST_PAGES):
             batches = [batch_of(b) for b in page]

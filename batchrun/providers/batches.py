@@ -99,7 +99,10 @@ class BatchApi(Protocol):
     max_requests: int  # the provider's requests per batch
     max_bytes: int  # the provider's bytes per request file (or create body)
     file_format: FileFormat
-    create_timeout: float  # how long a create call may take, at most (reconciliation waits past it)
+
+    def create_timeout(self, request_bytes: int) -> float:
+        """The provider's default for how long a create call of a request file this big may take."""
+        ...
 
     def endpoint_of(self, url: str | None) -> str | None:
         """The endpoint a stored item is sent to ("/v1/chat/completions"; None where the API has one)."""
@@ -121,16 +124,17 @@ class BatchApi(Protocol):
         """The file an earlier upload of this shard left at the provider (its response lost), if any."""
         ...
 
-    async def create(self, shard: ShardRecord, path: Path) -> RemoteBatch:
-        """Create the batch. Any error but a refusal (PermanentError) leaves whether it exists unknown."""
+    async def create(self, shard: ShardRecord, path: Path, timeout: float) -> RemoteBatch:
+        """Create the batch, its call given ``timeout`` seconds. Any error but a refusal (PermanentError)
+        leaves whether it exists unknown."""
         ...
 
     async def get(self, batch_id: str) -> RemoteBatch:
         ...
 
-    async def candidates(self, shard: ShardRecord, sent_at: float) -> list[Candidate]:
+    async def candidates(self, shard: ShardRecord, sent_at: float, timeout: float) -> list[Candidate]:
         """Provider batches that may be this shard's, created but never recorded (``sent_at``: when its
-        last create was sent, by this host's clock)."""
+        last create was sent, by this host's clock; ``timeout``: the time that create had)."""
         ...
 
     async def cancel(self, batch_id: str) -> RemoteBatch:

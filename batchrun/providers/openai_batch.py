@@ -42,6 +42,7 @@ MAX_BYTES = 200 * 1000 * 1000  # "up to 200 MB"
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 UNWORKED = {"batch_expired": "expired", "batch_cancelled": "cancelled"}
 LIST_PAGES = 20  # reconciliation looks at most this many pages of 100 batches (newest first)
+CREATE_TIMEOUT_S = 60.0  # a create call's default timeout ([batch] create_timeout)
 LOOK_BACK_S = 3600.0  # ... and no further back than this before the shard's create call
 
 
@@ -55,7 +56,6 @@ class OpenAIBatchApi:
     max_requests = MAX_REQUESTS
     max_bytes = MAX_BYTES
     file_format = FileFormat(b"", b"\n", b"\n")
-    create_timeout = 120.0
 
     def __init__(self, provider: OpenAIProvider, *, timeout: httpx.Timeout, retry_seconds: float = 300.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
@@ -63,6 +63,9 @@ class OpenAIBatchApi:
         self.provider = provider
         self.http = BatchHttp(provider, provider.headers, timeout=timeout, retry_seconds=retry_seconds,
                               transport=transport)
+
+    def create_timeout(self, request_bytes: int) -> float:
+        return CREATE_TIMEOUT_S  # the file is uploaded already: the create body is small
 
     def _url(self, path: str) -> str:
         return self.provider.endpoint("/v1" + path)
@@ -97,7 +100,7 @@ class OpenAIBatchApi:
                     return str(f["id"])
         return None
 
-    async def create(self, shard: ShardRecord, path: Path) -> RemoteBatch:
+    async def create(self, shard: ShardRecord, path: Path, timeout: float) -> RemoteBatch:
         body = {
             "input_file_id": shard.input_file_id,
             "endpoint": shard.endpoint,
@@ -105,7 +108,8 @@ class OpenAIBatchApi:
             "metadata": {"batchrun_shard": shard.token, "batchrun_job": str(shard.job_id)},
         }
         try:
-            data = await self.http.json("POST", self._url("/batches"), json=body, retry=False)
+            data = await self.http.json("POST", self._url("/batches"), json=body, retry=False,
+                                        timeout=httpx.Timeout(timeout))
         except PermanentError as exc:
             raise refused(exc) from exc
         return batch_of(data)
@@ -113,7 +117,7 @@ class OpenAIBatchApi:
     async def get(self, batch_id: str) -> RemoteBatch:
         return batch_of(await self.http.json("GET", self._url(f"/batches/{batch_id}")))
 
-    async def candidates(self, shard: ShardRecord, sent_at: float) -> list[Candidate]:
+    async def candidates(self, shard: ShardRecord, sent_at: float, timeout: float) -> list[Candidate]:
         """Batches carrying this shard's name in their metadata, or made from its uploaded file (certain)."""
         since = sent_at + self.http.clock_skew - LOOK_BACK_S
         found: list[Candidate] = []

@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     batch.add_argument("--batch-expire-after", type=float, default=None, metavar="S",
                        help="a batch expires S seconds after creation, unanswered lines expired "
                             "(default: 24 h)")
+    batch.add_argument("--batch-create-delay", type=float, default=defaults.create_s, metavar="S",
+                       help="seconds a create takes once its body is in; the batch is made then, "
+                            "whether or not the client is still waiting")
     batch.add_argument("--batch-no-shuffle", action="store_true",
                        help="answer and list a batch's lines in input order")
     for name, what in (("line-500", "a batch line answered 500"),
@@ -110,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_faults = BatchFaults(
         turnaround_s=args.batch_turnaround, validating_s=args.batch_validating,
         finalizing_s=args.batch_finalizing, cancel_s=args.batch_cancel_delay,
+        create_s=args.batch_create_delay,
         expire_after_s=args.batch_expire_after, shuffle=not args.batch_no_shuffle,
         p_line_500=args.batch_p_line_500, p_line_400=args.batch_p_line_400,
         p_create_500=args.batch_p_create_500, p_upload_500=args.batch_p_upload_500,

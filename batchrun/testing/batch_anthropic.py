@@ -21,6 +21,7 @@ deleted once ended.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
 import re
@@ -113,6 +114,8 @@ class AnthropicBatches:
         finally:
             spooled.unlink(missing_ok=True)
         requests = _checked_requests(body, bf.max_batch_requests)
+        if bf.create_s > 0:  # the batch is made after this, the client there to hear of it or not
+            await asyncio.sleep(bf.create_s)
         now = time.time()
         batch_id = new_id("msgbatch_01", 22)
         api = APIS["messages"]

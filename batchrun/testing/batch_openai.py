@@ -26,6 +26,7 @@ succeeded; ``error_file_id``, when none failed, is null, "" or absent (``clean_e
 
 from __future__ import annotations
 
+import asyncio
 import time
 from array import array
 from collections.abc import Callable
@@ -182,6 +183,10 @@ class OpenAIBatches:
             raise ApiError(400, "metadata: at most 16 pairs of strings, keys of at most 64 "
                                 "characters, values of at most 512.")
         bf = self.worker.host.batch_faults
+        if bf.create_s > 0:  # the batch is made after this, the client there to hear of it or not
+            await asyncio.sleep(bf.create_s)
+            if file_id not in self.files:
+                raise ApiError(400, f"The input file {file_id} does not exist.")
         batch_id = new_hex_id("batch_")
         self.store.link_requests(batch_id, self.store.file_path(file_id))
         batch = self.worker.create(

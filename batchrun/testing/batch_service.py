@@ -13,13 +13,14 @@ import tempfile
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from batchrun.testing.anthropic import MessagesApi
 from batchrun.testing.api import Api
 from batchrun.testing.batch_anthropic import AnthropicBatches
 from batchrun.testing.batch_http import ApiError, Call, Reply, send
 from batchrun.testing.batch_openai import OpenAIBatches
-from batchrun.testing.batch_store import BatchStore
+from batchrun.testing.batch_store import BatchStore, read_created
 from batchrun.testing.batch_work import BatchWorker, Host
 from batchrun.testing.openai import ChatApi
 from batchrun.testing.request_log import RequestRecord
@@ -65,6 +66,10 @@ class BatchService:
         self._openai.load()
         self._worker = worker
         return worker.load()
+
+    def created(self) -> list[dict[str, Any]]:
+        """The batches made so far (:func:`~batchrun.testing.batch_store.read_created`)."""
+        return read_created(self._worker.store.root) if self._worker is not None else []
 
     def attach(self) -> None:
         """At each start of the server's event loop: work the open batches (the server's stop

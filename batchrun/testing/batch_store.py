@@ -12,6 +12,11 @@ Layout of the state directory::
     batches/<batch id>/answered.jsonl the journal: one line per answered line, appended when it
                                       is answered: {"r": its RequestRecord, "o": its result line}
     batches/<batch id>/results.jsonl  Anthropic: the results, written when the batch ends
+    created.jsonl                     one line per batch created, appended when it is made:
+                                      {"id", "kind", "created_at", "input_file_id", "metadata",
+                                      "total", "custom_ids", "keys"} (the custom_id and the log
+                                      key of each of its requests, in order); see
+                                      :func:`read_created`
     spool/                            bodies being received (emptied at start)
 
 The journal is the one record of progress: a line is answered (and billed) when its journal
@@ -211,6 +216,11 @@ class BatchStore:
             offsets.frombytes(f.read())
         return offsets
 
+    def append_created(self, entry: dict[str, Any]) -> None:
+        """Log a batch just made (created.jsonl: kept when the batch is deleted)."""
+        with open(self.root / "created.jsonl", "ab") as f:
+            f.write(orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE))
+
     def append_answered(self, batch_id: str, lines: bytes) -> None:
         """Append journal lines (each ending in a newline) in one write."""
         with open(self._batches / batch_id / "answered.jsonl", "ab") as f:
@@ -232,6 +242,20 @@ class BatchStore:
         with open(path, "rb") as f:
             for line in f:
                 yield orjson.loads(line)
+
+
+def read_created(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every batch a state directory's server created (across restarts), oldest first; a torn last
+    line (a kill mid-write) is left out."""
+    path = Path(root) / "created.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    with open(path, "rb") as f:
+        for line in f:
+            if line.endswith(b"\n"):
+                out.append(orjson.loads(line))
+    return out
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -171,8 +171,29 @@ class BatchWorker:
             cancel_s=bf.cancel_s, seed=seed, shuffle=bf.shuffle, **fields))
         self.save(batch)
         self.batches[batch_id] = batch
+        self._log_created(batch)
         self.wake()
         return batch
+
+    def _log_created(self, batch: Batch) -> None:
+        """Append the new batch to the store's created log, with the key of each request it holds."""
+        r = batch.rec
+        kind, api = self.kinds[r.kind], APIS[r.api]
+        keys: list[str | None] = []
+        custom_ids: list[Any] = []
+        with open(self.store.requests_path(r.id), "rb") as f:
+            for raw in f:
+                if not raw.strip():
+                    continue
+                try:
+                    custom_id, body = kind.request(orjson.loads(raw))
+                except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+                    custom_id, body = None, None
+                custom_ids.append(custom_id)
+                keys.append(self.host.key_for(api, body) if isinstance(body, dict) else None)
+        self.store.append_created({"id": r.id, "kind": r.kind, "created_at": r.created_at,
+                                   "input_file_id": r.input_file_id, "metadata": r.metadata,
+                                   "total": len(keys), "custom_ids": custom_ids, "keys": keys})
 
     def save(self, batch: Batch) -> None:
         self.store.save_batch(batch.rec)

@@ -90,6 +90,9 @@ class BatchFaults:
     p_line_500: float = 0.0  # a line answered 500 inside the batch (OpenAI error file; Anthropic errored api_error)
     p_line_400: float = 0.0  # a line answered 400 invalid_request_error inside the batch
     p_create_500: float = 0.0  # a create answered 500 *after* the batch was created (it is listed)
+    # Seconds a create takes at the provider once its body is in: the batch is made then, whether
+    # or not the client is still there to hear of it (a client killed or timed out meanwhile).
+    create_s: float = 0.0
     p_upload_500: float = 0.0  # POST /v1/files answered 500 after the file was stored (it is listed)
     p_poll_429: float = 0.0  # a GET of the batch routes (retrieve, list, file, content, results) answered 429
     p_poll_500: float = 0.0  # ... answered 500

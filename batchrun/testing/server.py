@@ -260,6 +260,13 @@ class FakeProviderServer:
         # dict.copy: one step under the GIL, while the server's loop may be counting
         return collections.Counter(dict.copy(batches.calls) if batches is not None else {})
 
+    def created_batches(self) -> list[dict[str, Any]]:
+        """Every provider batch this server made (its state directory's ``created.jsonl``, so across
+        restarts on one directory too), oldest first: id, kind, created_at, input_file_id,
+        metadata, total, and ``custom_ids`` and ``keys``: each request's custom_id and log key."""
+        batches = self._batches
+        return batches.created() if batches is not None else []
+
     def reset_log(self) -> None:
         """Forget the log and the per-key counters (``seq`` keeps counting)."""
         with self._lock:
@@ -286,15 +293,19 @@ class FakeProviderServer:
 
     def _restore(self, records: list[RequestRecord]) -> None:
         """Put the batch lines answered before a restart back in the log (not in the log file:
-        they are there already, but for any a kill cut off between the journal and the file)."""
+        they are there already, but for any a kill cut off between the journal and the file).
+
+        ``seq`` goes on from the last one the log file holds too: a deleted batch's journal is gone,
+        and a seq used again would hide a later line from the next restart's rewrite."""
+        logged = _last_batch_seq(self._log_path) if self._log_path is not None else -1
+        with self._lock:
+            self._seq = max(self._seq, logged + 1, records[-1].seq + 1 if records else 0)
         if not records:
             return
         with self._lock:
             self._log[:0] = records
             self._arrivals.update(r.key for r in records if r.key is not None)
-            self._seq = max(self._seq, records[-1].seq + 1)
         if self._log_path is not None:
-            logged = _last_batch_seq(self._log_path)
             with open(self._log_path, "ab") as f:
                 for rec in records:
                     if rec.seq > logged:

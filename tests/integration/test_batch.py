@@ -337,18 +337,33 @@ class Intercept(httpx.AsyncBaseTransport):
     def __init__(self, hook: Callable[[httpx.Request], Awaitable[httpx.Response | None]]) -> None:
         self.inner = httpx.AsyncHTTPTransport()
         self.hook = hook
+        self.behind: set[asyncio.Task[None]] = set()  # requests still going to the server on their own
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         answer = await self.hook(request)
         return answer if answer is not None else await self.inner.handle_async_request(request)
 
     async def aclose(self) -> None:
+        await asyncio.gather(*self.behind)
         await self.inner.aclose()
+
+    def send_behind(self, request: httpx.Request, body: bytes) -> None:
+        """Send the request on, its answer thrown away: the client has already been told it failed."""
+
+        async def go() -> None:
+            again = httpx.Request(request.method, request.url, headers=request.headers, content=body)
+            answer = await self.inner.handle_async_request(again)
+            await answer.aclose()
+
+        task = asyncio.ensure_future(go())
+        self.behind.add(task)
+        task.add_done_callback(self.behind.discard)
 
 
 def creates(answers: list[str]) -> Intercept:
     """Anthropic/OpenAI creates answered in turn: "lost" (made, answered 500), "overloaded" (529, not made),
-    "pass" (as the server answers); after the list, every create passes."""
+    "dropped" (sent to the server, the connection lost before any answer), "pass" (as the server answers);
+    after the list, every create passes."""
     left = list(answers)
 
     async def hook(request: httpx.Request) -> httpx.Response | None:
@@ -359,12 +374,60 @@ def creates(answers: list[str]) -> Intercept:
             made = await transport.inner.handle_async_request(request)
             await made.aclose()
             return httpx.Response(500, json={"type": "error", "error": {"type": "api_error", "message": "Internal"}})
+        if what == "dropped":
+            transport.send_behind(request, await request.aread())
+            await asyncio.sleep(0.05)  # the body is out
+            raise httpx.ReadError("connection reset by peer", request=request)
         if what == "overloaded":
             return httpx.Response(529, json={"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})
         return None
 
     transport = Intercept(hook)
     return transport
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_a_create_that_got_no_answer_is_waited_out_before_it_is_sent_again(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], kind: str
+) -> None:
+    """The create reached the provider, which takes a second to make the batch, and the connection dropped
+    before any answer (as for a sender killed mid-create): no answer is not "not created". The shard waits
+    until the create's timeout and a margin have passed, finds the batch meanwhile and adopts it."""
+    server.batch_faults = BatchFaults(turnaround_s=0.3, create_s=1.0, seed=5)
+    job_id = submit(ledger, spec_for(server, kind, batch={"create_timeout": 2.0}), write_jsonl(records(10)))
+    summary = run(ledger, job_id, transport=creates(["dropped"]))
+    assert summary.exit_code == ExitCode.OK, summary.result
+    assert len(server.created_batches()) == 1, "created twice"
+    billed_once(server, 10)
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_files_a_run_could_not_delete_are_deleted_by_the_next_run(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], kind: str
+) -> None:
+    """The shard is collected and marked in one transaction; a run that dies (or is refused) before its
+    files are deleted at the provider leaves the mark, and the next run deletes them."""
+
+    async def refuse_deletes(request: httpx.Request) -> httpx.Response | None:
+        if request.method == "DELETE":
+            return httpx.Response(400, json={"error": {"message": "not now", "type": "invalid_request_error"},
+                                             "type": "error"})
+        return None
+
+    def left_at_provider() -> list[str]:
+        with httpx.Client(timeout=10, headers={"anthropic-version": "2023-06-01"}) as client:
+            if kind == "anthropic":
+                return [b["id"] for b in client.get(server.anthropic_base_url + "/v1/messages/batches").json()["data"]]
+            return [f["id"] for f in client.get(server.base_url + "/files").json()["data"]]
+
+    job_id = submit(ledger, spec_for(server, kind), write_jsonl(records(6)))
+    assert run(ledger, job_id, transport=Intercept(refuse_deletes)).exit_code == ExitCode.OK
+    [shard] = ShardLedger(ledger).shards(job_id)
+    assert ShardLedger(ledger).files_left(job_id) == [shard] and left_at_provider()
+    assert run(ledger, job_id).exit_code == ExitCode.OK
+    assert ShardLedger(ledger).files_left(job_id) == [] and left_at_provider() == []
+    assert ShardLedger(ledger).get(shard.id).error is None
+    billed_once(server, 6)
 
 
 def test_an_anthropic_shard_never_adopts_a_sibling_shards_batch(
@@ -436,15 +499,14 @@ def test_a_create_that_cannot_go_out_in_time_is_never_sent(
     nothing if the create's time is up, because a run that took the job over meanwhile may have sent it again."""
     from batchrun.providers.openai_batch import OpenAIBatchApi
 
-    monkeypatch.setattr(OpenAIBatchApi, "create_timeout", 0.3)
     real_create = OpenAIBatchApi.create
 
-    async def frozen_then_create(self: OpenAIBatchApi, shard: Any, path: Path) -> Any:
+    async def frozen_then_create(self: OpenAIBatchApi, shard: Any, path: Path, timeout: float) -> Any:
         await asyncio.sleep(1.0)  # the freeze: the monotonic clock went on
-        return await real_create(self, shard, path)
+        return await real_create(self, shard, path, timeout)
 
     monkeypatch.setattr(OpenAIBatchApi, "create", frozen_then_create)
-    job_id = submit(ledger, spec_for(server), write_jsonl(records(5)))
+    job_id = submit(ledger, spec_for(server, batch={"create_timeout": 0.3}), write_jsonl(records(5)))
     summary = run(ledger, job_id)
     assert server.batch_calls()["POST /v1/batches"] == 0  # nothing ever went out
     # Each try was reconciled (nothing there) and sent again, MAX_CREATES times; then the run stops.

@@ -166,6 +166,32 @@ def test_a_kill_between_journal_and_log_loses_nothing(tmp_path: Path) -> None:
     assert Counter(r["custom_id"] for r in logged) == Counter({f"a{i}": 1 for i in range(10)})
 
 
+def test_seq_goes_on_across_restarts_though_a_deleted_batch_took_its_journal(tmp_path: Path) -> None:
+    """A batch answered and deleted, a restart, another batch answered, and a kill that lost its last log
+    records: the next start writes them again, because seqs never repeat (the log file remembers them)."""
+    state, log = tmp_path / "state", tmp_path / "server.jsonl"
+    faults = BatchFaults(turnaround_s=0.3)
+
+    def batch_of(prefix: str, delete: bool) -> None:
+        with FakeProviderServer(batch_faults=faults, batch_state_dir=state, log_path=log) as server, \
+                httpx.Client(base_url=server.anthropic_base_url, timeout=10, headers=ANTHROPIC_HEADERS) as client:
+            batch_id = client.post("/v1/messages/batches", json={
+                "requests": [messages_request(f"{prefix}{i}") for i in range(5)]}).json()["id"]
+            wait_anthropic(client, batch_id)
+            if delete:
+                assert client.delete(f"/v1/messages/batches/{batch_id}").status_code == 200
+
+    batch_of("a", delete=True)
+    batch_of("b", delete=False)
+    lines = log.read_bytes().splitlines(keepends=True)
+    log.write_bytes(b"".join(lines[:-2]))  # as if killed before its last two records reached the file
+    with FakeProviderServer(batch_faults=faults, batch_state_dir=state, log_path=log):
+        pass
+    logged = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+    assert sorted(r["custom_id"] for r in logged) == sorted([f"a{i}" for i in range(5)] + [f"b{i}" for i in range(5)])
+    assert len({r["seq"] for r in logged}) == 10
+
+
 def test_online_routes_keep_their_behaviour_while_batches_run() -> None:
     with serving(BatchFaults(turnaround_s=1.0)) as (server, openai, _):
         batch_id = openai.post("/batches", json={"input_file_id": upload(openai, jsonl([chat_line(
@@ -256,3 +282,29 @@ def test_a_kill_while_ending_writes_the_same_files_again(tmp_path: Path) -> None
         outputs = client.get("/files", params={"purpose": "batch_output"}).json()["data"]
         assert len(outputs) == 2
         assert server.billed_by_key() == Counter(line["custom_id"] for line in out)
+
+
+def test_a_slow_create_makes_its_batch_though_the_client_left_and_logs_it(tmp_path: Path) -> None:
+    """``create_s``: the batch is made that long after the body is in, whether the client is still there or
+    not (a client timed out or killed meanwhile); each batch made is logged with its requests' keys, in the
+    state directory, across a restart."""
+    state = tmp_path / "state"
+    faults = BatchFaults(turnaround_s=0.3, create_s=0.6)
+    with FakeProviderServer(batch_faults=faults, batch_state_dir=state) as server:
+        with httpx.Client(base_url=server.base_url, timeout=10) as openai, \
+                httpx.Client(base_url=server.anthropic_base_url, timeout=0.2, headers=ANTHROPIC_HEADERS) as gone:
+            file_id = upload(openai, jsonl([chat_line("o1"), chat_line("o2")]))
+            began = time.monotonic()
+            made = openai.post("/batches", json={"input_file_id": file_id, **CREATE, "metadata": {"s": "1"}})
+            assert made.status_code == 200 and time.monotonic() - began >= 0.6
+            with pytest.raises(httpx.ReadTimeout):
+                gone.post("/v1/messages/batches", json={"requests": [messages_request("a1")]})
+            assert [b["kind"] for b in server.created_batches()] == ["openai"]
+            wait_until(lambda: {}, lambda _: len(server.created_batches()) == 2)
+        created = server.created_batches()
+        assert [(b["kind"], b["total"], b["custom_ids"], b["keys"]) for b in created] == [
+            ("openai", 2, ["o1", "o2"], ["o1", "o2"]), ("anthropic", 1, ["a1"], ["a1"])]
+        assert created[0]["id"] == made.json()["id"] and created[0]["metadata"] == {"s": "1"}
+        assert created[0]["input_file_id"] == file_id
+    with FakeProviderServer(batch_faults=faults, batch_state_dir=state) as again:
+        assert again.created_batches() == created

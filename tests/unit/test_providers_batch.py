@@ -166,3 +166,16 @@ def test_a_stored_spec_without_batch_settings_still_opens() -> None:
     stored["run"].pop("mode")
     old = type(spec).from_dict(stored)
     assert old.run.mode == "online" and old.batch == spec.batch and old.identity_hash() == spec.identity_hash()
+
+
+def test_a_create_timeout_is_the_setting_else_the_providers_default() -> None:
+    spec = parse_spec({"provider": {"base_url": "http://h/v1", "model": "m"}, "batch": {"create_timeout": "2m"}},
+                      where="t.toml")
+    assert spec.batch.create_timeout == 120.0
+    assert parse_spec({"provider": {"base_url": "http://h/v1"}}, where="t.toml").batch.create_timeout == 0.0
+    with pytest.raises(SpecError, match="create_timeout"):
+        parse_spec({"provider": {"base_url": "http://h/v1"}, "batch": {"create_timeout": -1}}, where="t.toml")
+    openai = batch_api_for(spec_of("openai"), provider_for(spec_of("openai"), api_key="k"))  # type: ignore[arg-type]
+    anthropic = batch_api_for(spec_of("anthropic"), provider_for(spec_of("anthropic"), api_key="k"))  # type: ignore[arg-type]
+    assert openai.create_timeout(100_000_000) == 60.0  # the file is uploaded already
+    assert anthropic.create_timeout(0) == 60.0 and anthropic.create_timeout(256_000_000) == 316.0
