@@ -508,8 +508,8 @@ class BatchRunner:
             except AuthError:
                 raise
             except (ProviderError, TimeoutError) as exc:
-                if isinstance(exc, ProviderError) and exc.status_code is not None:
-                    self._answered.add(shard.id)  # the provider answered it: it is done with the create
+                if isinstance(exc, ProviderError) and _create_refused(exc.status_code):
+                    self._answered.add(shard.id)  # the provider turned it away: it is done with the create
                 self._missing_since.pop(shard.id, None)
                 what = exc.message if isinstance(exc, ProviderError) else f"no answer within {timeout:g} s"
                 self._event(f"shard {shard.id}: create of {_n(shard.requests, 'request')} failed ({what}); "
@@ -970,3 +970,13 @@ async def cancel_shards(
     finally:
         await api.aclose()
     return CancelledShards(len(shards), sum(s.requests for s in shards), tuple(problems))
+
+
+def _create_refused(status_code: int | None) -> bool:
+    """Whether a create answered with this status was surely not made: the provider's own refusals
+    (4xx but 408, its 529 "overloaded"). A 5xx (a gateway's 502/504 in front of a backend still at
+    work), a 408, a 2xx that could not be read, or no answer at all may have made the batch: the
+    shard waits out the create's timeout before it is sent again."""
+    if status_code is None:
+        return False
+    return (400 <= status_code < 500 and status_code != 408) or status_code == 529

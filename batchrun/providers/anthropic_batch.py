@@ -51,7 +51,7 @@ ERROR_STATUS = {
 UNWORKED = {"expired": "expired", "canceled": "cancelled"}
 REQUEST_INDEX = re.compile(r"\brequests\.(\d+)\b")
 LIST_PAGES = 20  # reconciliation looks at most this many pages of 100 batches (newest first)
-CREATE_TIMEOUT_S = 60.0  # a create call's default timeout, plus a second per MB of its body
+CREATE_TIMEOUT_S = 60.0  # a create call's default timeout, plus 8 s per MB of its body
 SKEW_S = 300.0  # the provider's clock and ours may differ by this much
 
 
@@ -71,8 +71,9 @@ class AnthropicBatchApi:
                               transport=transport)
 
     def create_timeout(self, request_bytes: int) -> float:
-        """A minute, and a second per MB of body: the requests go with the create (up to 256 MB)."""
-        return CREATE_TIMEOUT_S + request_bytes / 1e6
+        """A minute, and 8 s per MB of body: the requests go with the create (up to 256 MB), and a
+        create cut off by its timeout while its body is still going out is sent again (1 Mbit/s fits)."""
+        return CREATE_TIMEOUT_S + 8 * request_bytes / 1e6
 
     def endpoint_of(self, url: str | None) -> None:
         return None

@@ -362,8 +362,8 @@ class Intercept(httpx.AsyncBaseTransport):
 
 def creates(answers: list[str]) -> Intercept:
     """Anthropic/OpenAI creates answered in turn: "lost" (made, answered 500), "overloaded" (529, not made),
-    "dropped" (sent to the server, the connection lost before any answer), "pass" (as the server answers);
-    after the list, every create passes."""
+    "dropped" (sent to the server, the connection lost before any answer), "gateway" (sent to the server,
+    a gateway answers 504 at once), "pass" (as the server answers); after the list, every create passes."""
     left = list(answers)
 
     async def hook(request: httpx.Request) -> httpx.Response | None:
@@ -378,6 +378,10 @@ def creates(answers: list[str]) -> Intercept:
             transport.send_behind(request, await request.aread())
             await asyncio.sleep(0.05)  # the body is out
             raise httpx.ReadError("connection reset by peer", request=request)
+        if what == "gateway":
+            transport.send_behind(request, await request.aread())
+            await asyncio.sleep(0.05)
+            return httpx.Response(504, text="<html><body>504 Gateway Time-out</body></html>")
         if what == "overloaded":
             return httpx.Response(529, json={"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})
         return None
@@ -396,6 +400,20 @@ def test_a_create_that_got_no_answer_is_waited_out_before_it_is_sent_again(
     server.batch_faults = BatchFaults(turnaround_s=0.3, create_s=1.0, seed=5)
     job_id = submit(ledger, spec_for(server, kind, batch={"create_timeout": 2.0}), write_jsonl(records(10)))
     summary = run(ledger, job_id, transport=creates(["dropped"]))
+    assert summary.exit_code == ExitCode.OK, summary.result
+    assert len(server.created_batches()) == 1, "created twice"
+    billed_once(server, 10)
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_a_create_a_gateway_answered_5xx_is_waited_out_before_it_is_sent_again(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], kind: str
+) -> None:
+    """A 504 from a gateway says nothing of the backend behind it, which makes the batch a second
+    later: as with no answer, the shard waits out the create's timeout, finds the batch and adopts it."""
+    server.batch_faults = BatchFaults(turnaround_s=0.3, create_s=1.0, seed=5)
+    job_id = submit(ledger, spec_for(server, kind, batch={"create_timeout": 2.0}), write_jsonl(records(10)))
+    summary = run(ledger, job_id, transport=creates(["gateway"]))
     assert summary.exit_code == ExitCode.OK, summary.result
     assert len(server.created_batches()) == 1, "created twice"
     billed_once(server, 10)

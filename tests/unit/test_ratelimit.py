@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 
 import pytest
