@@ -178,4 +178,4 @@ def test_a_create_timeout_is_the_setting_else_the_providers_default() -> None:
     openai = batch_api_for(spec_of("openai"), provider_for(spec_of("openai"), api_key="k"))  # type: ignore[arg-type]
     anthropic = batch_api_for(spec_of("anthropic"), provider_for(spec_of("anthropic"), api_key="k"))  # type: ignore[arg-type]
     assert openai.create_timeout(100_000_000) == 60.0  # the file is uploaded already
-    assert anthropic.create_timeout(0) == 60.0 and anthropic.create_timeout(256_000_000) == 316.0
+    assert anthropic.create_timeout(0) == 60.0 and anthropic.create_timeout(256_000_000) == 60.0 + 8 * 256
