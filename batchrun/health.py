@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -62,6 +63,8 @@ class Health:
         self.failures_in_row = 0
         self.last_clean = clock()
         self.answered = False  # this run has had a clean answer
+        self.reached = False  # some request of this run got an HTTP answer (of any status)
+        self._first_connect_error: float | None = None  # connect_grace counts from it
         self.last_error: RetryableError | None = None
         self._pause = 0.0
         self._pause_grown = 0.0
@@ -84,8 +87,14 @@ class Health:
         elif isinstance(error, RetryableError):
             self.failures_in_row += 1
             self.last_error = error
-        # A run that never had an answer and cannot connect at all is down from its first failure.
-        cannot_connect = not self.answered and error is not None and error.error_class in CONNECT_ERRORS
+        if error is not None and error.status_code is not None:
+            self.reached = True
+        # A run none of whose requests ever reached the server, and that cannot connect, is down from
+        # its first failure (slow first answers on open connections are not "cannot connect").
+        cannot_connect = (not self.answered and not self.reached and error is not None
+                          and error.error_class in CONNECT_ERRORS)
+        if cannot_connect and self._first_connect_error is None:
+            self._first_connect_error = self._clock()
         if self.failures_in_row < OUTAGE_AFTER_FAILURES and not cannot_connect:
             return None
         now = self._clock()
@@ -93,7 +102,9 @@ class Health:
             self._pause = min(OUTAGE_MAX_PAUSE_S, max(0.5, self._pause * 2))
             self._pause_grown = now
         last = f": {self.last_error.message}" if self.last_error is not None else ""
-        if cannot_connect and now - self.last_clean > self._run.connect_grace:
+        if cannot_connect and self._first_connect_error is not None and (
+            now - self._first_connect_error > self._run.connect_grace
+        ):
             return Outage(
                 self._pause,
                 f"nothing connected in {self._run.connect_grace:g} s ([run] connect_grace){last}; "
@@ -123,6 +134,19 @@ class Health:
 
 
 
+_REQUEST_IDS = re.compile(
+    r"\b(?:req|request|msg|chatcmpl)_[A-Za-z0-9]{6,}\b"  # req_011C..., chatcmpl-like ids
+    r"|\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"  # UUIDs
+    r"|\b[0-9a-fA-F]{16,}\b"  # long hex ids
+)
+
+
+def _without_ids(message: str) -> str:
+    """A refusal's message less the request ids some gateways put in every error (the same
+    refusal then reads the same); other numbers stay (a prompt's token count is its own)."""
+    return _REQUEST_IDS.sub("<id>", message)
+
+
 class Refusals(Generic[T]):
     """The "every request is refused the same way" watcher of one run (see the module docstring).
 
@@ -145,7 +169,7 @@ class Refusals(Generic[T]):
         if error.error_class != PermanentError.error_class:  # content_filter, truncated: the item's own answer
             return False
         self._held.append((item, error))
-        self._seen[(error.status_code, error.message)] += 1
+        self._seen[(error.status_code, _without_ids(error.message))] += 1
         if len(self._held) >= self.hold_max:
             self.decided = True
         return True

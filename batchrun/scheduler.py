@@ -337,6 +337,10 @@ class JobRunner:
                 admission.spend.spent = await self._ledger(self.ledger.spent_usd, self.job.id)
             for seconds in await self._ledger(self.ledger.recent_latencies, self.job.id, LATENCIES_KEPT):
                 self.health.note_latency(seconds)  # the pace waits for this run's own answers
+            if (await self._ledger(self.ledger.counts, self.job.id)).get(ItemState.SUCCEEDED, 0):
+                # Requests of this job have been answered: refusals now are the items' own (a few
+                # flagged prompts first in line must not stop the job on every resume).
+                self.refusals.decided = True
             owns_sender = self._sender is None
             if self._sender is None:
                 self._sender = Sender.for_spec(self.spec, transport=self.options.transport)

@@ -154,3 +154,35 @@ def test_after_a_clean_answer_connection_errors_wait_for_the_outage_rules() -> N
     for _ in range(OUTAGE_AFTER_FAILURES):
         verdict = health.observe(refused)
     assert verdict is not None and verdict.stop_message is None  # connect_grace is for a run never answered
+
+
+def test_connect_grace_counts_from_the_first_connect_error_and_not_once_the_server_answered() -> None:
+    clock = Clock()
+    health = Health(RunSpec(outage_seconds=300.0, connect_grace=5.0), clock=clock)
+    refused = RetryableError("connection refused: port 9", error_class="connection_refused")
+    clock.now += 60.0  # first answers are slow (a reasoning model): no error for a minute
+    verdict = health.observe(refused)
+    assert verdict is not None and verdict.stop_message is None  # not "nothing connected in 5 s" yet
+    clock.now += 6.0
+    verdict = health.observe(refused)
+    assert verdict is not None and verdict.stop_message is not None  # 6 s of nothing but refusals
+
+    reached = Health(RunSpec(outage_seconds=300.0, connect_grace=5.0), clock=clock)
+    reached.observe(RetryableError("HTTP 503: busy", status_code=503))  # the server is there
+    clock.now += 60.0
+    reached.observe(refused)
+    clock.now += 60.0
+    verdict = reached.observe(refused)
+    assert verdict is None or verdict.stop_message is None  # the outage rules decide, not connect_grace
+
+
+def test_refusals_that_differ_only_by_a_request_id_read_the_same() -> None:
+    refusals: Refusals[int] = Refusals(items=3)
+    for i, rid in enumerate(("req_011CUxy7abc", "9f86d081884c7d659a2feaa0c55ad015", "8c2f0d5e-1b2a-4c3d-9e8f-0a1b2c3d4e5f")):
+        error = PermanentError(f"HTTP 404: The model `gpt-4o-mnii` does not exist (request id: {rid})", status_code=404)
+        assert refusals.hold(i, error)
+    assert refusals.verdict() is not None
+    sizes: Refusals[int] = Refusals(items=3)
+    for i in range(3):  # an item's own numbers are its own
+        sizes.hold(i, PermanentError(f"HTTP 400: your messages resulted in {9000 + i} tokens", status_code=400))
+    assert sizes.verdict() is None
