@@ -59,3 +59,30 @@ def test_an_item_specific_400_fails_only_its_item(tmp_path: Path, server: FakePr
     c = counts(tmp_path, db)
     assert c["failed"] == 1 and c["succeeded"] == 49
     assert set(server.requests_by_key().values()) == {1}  # the refused item too: one request
+
+
+def test_a_job_with_answers_is_never_stopped_by_a_few_items_refused_alike(
+    tmp_path: Path, server: FakeProviderServer
+) -> None:
+    """Three lines carry a parameter the provider refuses, all with one message. Once the job has
+    answers they are those items' own failures: after `retry`, a resume that sends them first fails
+    them again (exit 1) instead of stopping the job as a wrong model on every resume (exit 3)."""
+    server.refusals = Refusals(unknown_param="bogus")
+    src, db = tmp_path / "batch.jsonl", tmp_path / "l.db"
+    lines = []
+    for i in range(40):
+        body: dict[str, object] = {"model": "m", "messages": [{"role": "user", "content": f"hello {i}"}]}
+        if i in (20, 21, 22):
+            body["bogus"] = 1
+        lines.append(orjson.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                   "body": body}).decode())
+    src.write_text("\n".join(lines) + "\n")
+    first = run_cli(tmp_path, "submit", "--input", str(src), "--base-url", server.base_url, "--db", str(db),
+                    "--concurrency", "1")
+    assert first.returncode == 1, first.stderr
+    assert counts(tmp_path, db)["failed"] == 3
+    assert run_cli(tmp_path, "retry", "1", "--db", str(db)).returncode == 0
+    again = run_cli(tmp_path, "resume", "1", "--db", str(db))
+    assert again.returncode == 1, again.stderr
+    c = counts(tmp_path, db)
+    assert c["failed"] == 3 and c["succeeded"] == 37 and c["pending"] == 0
