@@ -170,11 +170,11 @@ class Admission:
             self.request_budget.hold(pause)
 
     def _pace(self) -> float | None:
-        """Requests per second the request budget paces at, if it paces."""
+        """Requests per second this process's request budget paces at, if it paces. A bucket the
+        workers share is not such a pace (each 429 of a burst slows it again): a 429 brakes the
+        window as before."""
         budget = self.request_budget
-        if isinstance(budget, AimdRate):
-            return budget.rate
-        if isinstance(budget, (TokenBucket, SharedTokenBucket)):
+        if isinstance(budget, (AimdRate, TokenBucket)):
             return budget.rate
         return None
 

@@ -357,7 +357,7 @@ class AimdRate:
     DECREASE_EVERY_S = 1.0
     RECOVER_PER_S = 0.1
     HOLD_S = 10.0
-    GROW_PER_S = 4.0  # with no limit known after a 429: ×4 a second until the next 429
+    GROW_PER_S = 4.0  # with no limit known after a 429: ×4 a second until the next 429 (at most 2× the answers)
     PROBE_PER_S = 0.01
     QUIET_SENDS = 250  # a 429 within this many sends of the last lowers the limit (~0.4% of requests)
     MIN_RATE = 0.05  # per second: one request every 20 s at the least
@@ -479,8 +479,9 @@ class AimdRate:
         dt, self._updated = now - self._updated, now
         if self.rate is None:
             return
-        if self.limit is None:  # after a 429 with nothing known: grow fast until the next one
-            self.rate *= self.GROW_PER_S ** min(dt, 1.0)
+        if self.limit is None:  # after a 429 with nothing known: grow fast until the next one,
+            # but never past twice what comes back (no 429 for minutes must not grow it without end)
+            self.rate = min(self.rate * self.GROW_PER_S ** min(dt, 1.0), max(1.0, 2.0 * len(self._answers)))
             return
         target = self.limit * self.safety
         if self.rate < target:

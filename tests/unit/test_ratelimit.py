@@ -493,3 +493,23 @@ def test_idle_time_is_not_caught_up() -> None:
     clock.t += 5.0  # nothing to send for a while (a slow start, an empty queue)
     sent = send_times(rate, clock, 4)
     assert all(b - a >= 1 / 50 for a, b in zip(sent, sent[1:]))  # the first sends are spaced, not a burst
+
+
+def test_aimd_with_nothing_known_after_one_429_grows_no_further_than_what_comes_back() -> None:
+    """One 429 and then minutes of clean answers (a burst limit, or a 429 from a proxy): the pace
+    must stay near what is answered, not grow ×4 a second to infinity (it overflowed after ~8.5 min)."""
+    rate, clock = aimd(0)
+    for _ in range(20):  # 20 answers a second before the 429
+        rate.recover()
+        clock.t += 0.05
+    rate.slow_down()
+    assert rate.limit is None and rate.rate is not None
+
+    async def go() -> None:
+        for _ in range(10 * 60 * 20):  # ten minutes at 20 answers a second
+            await rate.take()
+            rate.recover()
+            clock.t += 0.05
+
+    asyncio.run(go())
+    assert rate.rate is not None and rate.rate <= 2 * 21
