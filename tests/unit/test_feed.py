@@ -94,12 +94,15 @@ def test_with_nothing_to_claim_the_run_waits_for_its_ingest_then_ends() -> None:
 @pytest.mark.parametrize(
     ("error", "reason", "message"),
     [
-        (InputError("in.jsonl: cannot read input: Input/output error"), StopReason.ERROR,
-         "the ingest of the input stopped: in.jsonl: cannot read input: Input/output error"),
+        (InputError("in.jsonl: cannot read input: Input/output error"), StopReason.INPUT,
+         "the rest of the input cannot be read: in.jsonl: cannot read input: Input/output error; "
+         "the lines stored before it were worked, nothing after it was read"),
+        (RuntimeError("the ingest thread broke"), StopReason.ERROR,
+         "the ingest of the input stopped: RuntimeError: the ingest thread broke"),
         (LockLostError("job 1's lock was taken over by run abc"), StopReason.LOCK_LOST,
          "job 1's lock was taken over by run abc"),
     ],
-    ids=["input-error", "lock-lost"],
+    ids=["input-error", "bug", "lock-lost"],
 )
 def test_an_ingest_that_fails_stops_the_run_with_its_error(
     error: BaseException, reason: StopReason, message: str
