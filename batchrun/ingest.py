@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from batchrun.context import CONTEXT_LENGTH, ContextGuard
 from batchrun.errors import InputError, StoppedError
 from batchrun.ledger import Ledger, ride_out
 from batchrun.providers import Provider
@@ -118,6 +119,7 @@ class RequestBuilder:
         self.system: Template | None = system
         self.messages = messages
         self.templated = spec.has_template
+        self.guard = ContextGuard(provider, model=spec.provider.model, max_input_tokens=spec.request.max_input_tokens)
 
     def build(self, record: Mapping[str, Any], line: int) -> tuple[str, str | None, str]:
         custom_id = _custom_id(record, line)
@@ -131,13 +133,22 @@ class RequestBuilder:
                     "missing_field",
                     f"template field {missing!r} is missing from the record{_did_you_mean(record, missing)}",
                 ) from None
-            return custom_id, None, orjson.dumps(self.provider.render_body(rendered)).decode()
+            return custom_id, None, self._fitting(None, self.provider.render_body(rendered))
         try:
             url, body = self.provider.check_batch_line(record)
         except ValueError as exc:
             hint = "" if "body" in record or "params" in record else " (or give a SPEC with a [request] template for plain records)"
             raise _BadLine("not_a_request", f"{exc}{hint}") from None
-        return custom_id, url, orjson.dumps(body).decode()
+        return custom_id, url, self._fitting(url, body)
+
+    def _fitting(self, url: str | None, body: dict[str, Any]) -> str:
+        """The body's JSON, if the request fits in its model's context window (batchrun.context)."""
+        raw = orjson.dumps(body)
+        text = raw.decode()
+        misfit = self.guard.misfit(url, body, len(raw), text)
+        if misfit is not None:
+            raise _BadLine(CONTEXT_LENGTH, misfit.reason)
+        return text
 
 
 def _did_you_mean(record: Mapping[str, Any], missing: str) -> str:

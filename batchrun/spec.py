@@ -120,6 +120,9 @@ class RequestSpec:
     max_tokens: int | None = None
     temperature: float | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # The context window requests must fit in (prompt + max_tokens; batchrun.context); None: the
+    # model's known window, 0: no guard.
+    max_input_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,8 @@ class JobSpec:
         data.pop("pricing")
         data["output"].pop("schema_file")
         data["output"].pop("schema_model")  # where the schema came from; the schema itself counts
+        if data["request"]["max_input_tokens"] is None:  # unset: the hash of a job stored before the setting
+            data["request"].pop("max_input_tokens")
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     def with_overrides(self, overrides: Overrides) -> JobSpec:
@@ -450,7 +455,7 @@ _KNOWN = {
     "batch": set(BATCH_FIELDS),
     "output": {"schema", "name", "strict", "validation_retries"},
     "provider": {f.name for f in dataclasses.fields(ProviderSpec)},
-    "request": {"system", "template", "messages", "max_tokens", "temperature", "extra"},
+    "request": {"system", "template", "messages", "max_tokens", "temperature", "extra", "max_input_tokens"},
     "run": {f.name for f in dataclasses.fields(RunSpec)},
 }
 
@@ -512,6 +517,10 @@ def parse_spec(
     if max_tokens is not None and max_tokens < 1:
         raise SpecError(f"{where}: [request] max_tokens = {max_tokens}: expected a positive integer")
     temperature = _get(request_t, "request", "temperature", float, where, None)
+    max_input_tokens = _get(request_t, "request", "max_input_tokens", int, where, None)
+    if max_input_tokens is not None and max_input_tokens < 0:
+        raise SpecError(f"{where}: [request] max_input_tokens = {max_input_tokens}: expected a positive integer "
+                        "(the model's context window), or 0 for no context guard")
     request = RequestSpec(
         system=_get(request_t, "request", "system", str, where, None),
         template=_get(request_t, "request", "template", str, where, None),
@@ -519,6 +528,7 @@ def parse_spec(
         max_tokens=max_tokens,
         temperature=float(temperature) if temperature is not None else None,
         extra=extra,
+        max_input_tokens=max_input_tokens,
     )
 
     defaults = RunSpec()

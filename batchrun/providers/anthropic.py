@@ -38,6 +38,7 @@ from batchrun.providers.base import (
     stream_error,
     stream_event_json,
 )
+from batchrun.context import classified
 from batchrun.providers.http import error_for_status
 from batchrun.spec import JobSpec
 
@@ -309,7 +310,7 @@ def anthropic_error_event(error: Any, raw: str) -> ProviderError:
 def _classified(error: ProviderError) -> ProviderError:
     if error.status_code == 529:
         error.error_class = "overloaded"  # type: ignore[misc]
-    return error
+    return classified(error)
 
 
 def anthropic_rate_limits(headers: httpx.Headers) -> RateLimits | None:

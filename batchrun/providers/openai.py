@@ -27,6 +27,7 @@ from batchrun.providers.base import (
     stream_error,
     stream_event_json,
 )
+from batchrun.context import classified
 from batchrun.providers.http import error_for_status
 from batchrun.ratelimit import parse_reset
 from batchrun.spec import JobSpec
@@ -355,10 +356,10 @@ def parse_openai_body(status_code: int, headers: httpx.Headers, content: bytes) 
     data = json_or_none(content)
     text = content.decode("utf-8", errors="replace")
     if not 200 <= status_code < 300:
-        message = text[:500]
+        message, code = text[:500], None
         if isinstance(data, dict) and isinstance(data.get("error"), dict):
-            message = str(data["error"].get("message") or message)
-        raise error_for_status(status_code, headers, message, text)
+            message, code = str(data["error"].get("message") or message), data["error"].get("code")
+        raise classified(error_for_status(status_code, headers, message, text), code)
     if not isinstance(data, dict):
         raise RetryableError(
             f"HTTP {status_code} with a body that is not a JSON object: {text[:200]!r}",
@@ -388,7 +389,7 @@ def openai_error_event(error: Any, raw: str) -> ProviderError:
             status = _OPENAI_ERROR_STATUS[value]
             break
     message = str(error.get("message") or "error event in the stream")
-    return error_for_status(status, httpx.Headers(), f"(in the stream) {message}", raw)
+    return classified(error_for_status(status, httpx.Headers(), f"(in the stream) {message}", raw), error.get("code"))
 
 
 def openai_rate_limits(headers: httpx.Headers) -> RateLimits | None:
