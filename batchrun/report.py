@@ -552,6 +552,8 @@ def _table(title: str, *columns: str, right: Sequence[int] = (), header: bool = 
 
 def report_tables(data: dict[str, Any]) -> list[Table]:
     """The tables of ``batchrun report`` (the HTML page shows the same)."""
+    from rich.text import Text
+
     overview = _table(f"Job {data['job_id']}" + (f" ({data['name']})" if data["name"] else ""), "", "", header=False)
     for key, value in overview_rows(data):
         overview.add_row(key, value)
@@ -569,7 +571,8 @@ def report_tables(data: dict[str, Any]) -> list[Table]:
         table = _table(title, key, "failed attempts", "items", "example message", right=(1, 2))
         for name, g in groups.items():
             label = "no response" if name == "none" else name
-            table.add_row(label, f"{g['attempts']:,}", f"{g['items']:,}", g["example"] or NONE)
+            # Text, not markup: a message's "[request] max_input_tokens" is not a style tag.
+            table.add_row(label, f"{g['attempts']:,}", f"{g['items']:,}", Text(g["example"]) if g["example"] else NONE)
         if not groups:
             table.add_row("none", "0", "0", NONE)
         elif any(g["example"] is None for g in groups.values()):

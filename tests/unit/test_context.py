@@ -10,6 +10,7 @@ import httpx
 import orjson
 import pytest
 
+from batchrun import tokens
 from batchrun.context import CONTEXT_LENGTH, known_window
 from batchrun.errors import PermanentError, SpecError
 from batchrun.health import Refusals
@@ -141,3 +142,21 @@ def test_other_400s_stay_client_errors() -> None:
     error = refused("openai", {"error": {"message": "Unrecognized request argument supplied: bogus",
                                          "type": "invalid_request_error", "code": None}})
     assert error.error_class == "client_error"
+
+
+class WordEncoding:
+    """A stand-in tiktoken encoding (the real tables come over the network): one token a word."""
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return [0] * len(text.split())
+
+
+def test_near_the_limit_the_prompt_is_counted_with_tiktoken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokens, "COUNTER", tokens.TokenCounter(load=lambda name: WordEncoding(),
+                                                               encoding_name=lambda model: "words"))
+    # 600,000 bytes (~150,000 by bytes/4, over 128,000) but 120,000 words: counted, it fits
+    stats = check_input(lines(tmp_path, 120_000, 130_000), builder(spec_of()))
+    assert (stats.accepted, stats.rejected) == (1, 1)
+    assert stats.rejections[0][0] == 2
+    assert stats.rejections[0][1].startswith("prompt 130,0")
+    assert " tokens (tiktoken) + max_tokens 1,024 exceeds the context window of gpt-4o" in stats.rejections[0][1]
