@@ -118,12 +118,15 @@ class ContextGuard:
         self.provider = provider
         self.model = model  # the spec's model, which every body carries; None: each body's own
         self.max_input_tokens = max_input_tokens
+        self._windows: dict[str | None, int | None] = {}
 
     def window(self, model: str | None) -> int | None:
         """The window requests for ``model`` must fit in; None: no guard."""
         if self.max_input_tokens is not None:
             return self.max_input_tokens or None
-        return known_window(model)
+        if model not in self._windows:  # a lookup per model, not per line: ingest's hot path
+            self._windows[model] = known_window(model)
+        return self._windows[model]
 
     def misfit(self, url: str | None, body: Mapping[str, Any], size: int, text: str) -> Fit | None:
         """None if a request fits (or there is no guard); else why not.
@@ -135,8 +138,8 @@ class ContextGuard:
         window = self.window(model)
         if window is None:
             return None
-        answer = next((v for k in ANSWER_LIMIT_KEYS if isinstance(v := body.get(k), int) and v > 0), 0)
         estimate = size // tokens.BYTES_PER_TOKEN
+        answer = answer_limit(body)
         if 2 * estimate + answer <= window:  # far from the limit: tiktoken would not change the answer
             return None
         if model is not None:
@@ -145,6 +148,15 @@ class ContextGuard:
         if counted.prompt + answer <= window:
             return None
         return Fit(counted.prompt, counted.counted, answer, window, model, self.max_input_tokens is not None)
+
+
+def answer_limit(body: Mapping[str, Any]) -> int:
+    """The answer tokens a request body asks room for; 0 when it sets no limit."""
+    for key in ANSWER_LIMIT_KEYS:
+        value = body.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
 
 
 def classified(error: ProviderError, code: object = None) -> ProviderError:
