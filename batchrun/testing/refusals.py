@@ -25,6 +25,7 @@ class Refusals:
     # A body whose text contains this ("": every body) gets a 400 with its own token count: the
     # item-specific refusal, a different message for each request.
     over_context: str | None = None
+    over_context_count: int | None = None  # the token count every such 400 names (the same message for all)
 
     def refuse(self, body: Mapping[str, Any]) -> tuple[int, str] | None:
         """(status, message) for a refused request, else None."""
@@ -36,7 +37,7 @@ class Refusals:
         if self.over_context is not None:
             text = orjson.dumps(body).decode()
             if self.over_context in text:
-                tokens = 129 + zlib.crc32(text.encode()) % 100_000
+                tokens = self.over_context_count or 129 + zlib.crc32(text.encode()) % 100_000
                 return 400, (f"This model's maximum context length is 128 tokens. However, your messages "
                              f"resulted in {tokens} tokens. Please reduce the length of the messages.")
         return None

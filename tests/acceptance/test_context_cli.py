@@ -108,3 +108,21 @@ def test_a_providers_context_length_400_fails_only_its_items_and_never_stops_the
     assert status["errors"] == {"context_length": 5}  # not client_error
     assert "maximum context length" in status["errors_by_class"]["context_length"]["example"]
     assert "context_length" in run_cli(tmp_path, "report", "1", "--db", str(db)).stdout
+
+
+def test_context_length_400s_that_read_alike_are_still_the_items_own(tmp_path: Path, server: FakeProviderServer) -> None:
+    """The first answers are all the same "too long" 400: not a job-wide refusal (exit 3, items
+    left pending) but failures of those items alone, and the rest of the job goes on."""
+    server.refusals = Refusals(over_context="long long", over_context_count=250_000)
+    spec, _ = write_job(tmp_path, server, model="m")
+    records = tmp_path / "first.jsonl"
+    records.write_bytes(b"".join(
+        orjson.dumps({"id": f"r{i}", "text": ("long " * 50 if i < 8 else "") + f"hello {i}"}) + b"\n"
+        for i in range(30)
+    ))
+    db = tmp_path / "l.db"
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db))
+    assert proc.returncode == 1, proc.stderr
+    status = orjson.loads(run_cli(tmp_path, "status", "1", "--json", "--db", str(db)).stdout)
+    assert status["counts"]["failed"] == 8 and status["counts"]["succeeded"] == 22
+    assert status["errors"] == {"context_length": 8}
