@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import orjson
+import pytest
 
 from batchrun.testing import FakeProviderServer, Refusals
 
@@ -16,6 +17,7 @@ from .conftest import run_cli
 SPEC = """
 name = "context"
 [provider]
+kind = "{kind}"
 base_url = "{base_url}"
 model = "{model}"
 [request]
@@ -26,9 +28,11 @@ max_tokens = 1024
 LONG = {3, 7}  # these records are ~190,000 tokens by bytes/4: over gpt-4o's 128,000
 
 
-def write_job(tmp_path: Path, server: FakeProviderServer, model: str = "gpt-4o", extra: str = "") -> tuple[Path, Path]:
+def write_job(
+    tmp_path: Path, server: FakeProviderServer, model: str = "gpt-4o", extra: str = "", kind: str = "openai"
+) -> tuple[Path, Path]:
     spec, records = tmp_path / "job.toml", tmp_path / "records.jsonl"
-    spec.write_text(SPEC.format(base_url=server.base_url, model=model, extra=extra))
+    spec.write_text(SPEC.format(base_url=server.base_url, model=model, extra=extra, kind=kind))
     records.write_bytes(b"".join(
         orjson.dumps({"id": f"r{i}", "text": ("long " * 150_000 if i in LONG else "") + f"hello {i}"}) + b"\n"
         for i in range(20)
@@ -110,11 +114,14 @@ def test_a_providers_context_length_400_fails_only_its_items_and_never_stops_the
     assert "context_length" in run_cli(tmp_path, "report", "1", "--db", str(db)).stdout
 
 
-def test_context_length_400s_that_read_alike_are_still_the_items_own(tmp_path: Path, server: FakeProviderServer) -> None:
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_context_length_400s_that_read_alike_are_still_the_items_own(
+    tmp_path: Path, server: FakeProviderServer, kind: str
+) -> None:
     """The first answers are all the same "too long" 400: not a job-wide refusal (exit 3, items
     left pending) but failures of those items alone, and the rest of the job goes on."""
     server.refusals = Refusals(over_context="long long", over_context_count=250_000)
-    spec, _ = write_job(tmp_path, server, model="m")
+    spec, _ = write_job(tmp_path, server, model="m", kind=kind)
     records = tmp_path / "first.jsonl"
     records.write_bytes(b"".join(
         orjson.dumps({"id": f"r{i}", "text": ("long " * 50 if i < 8 else "") + f"hello {i}"}) + b"\n"
