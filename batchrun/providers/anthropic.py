@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 
+from batchrun.context import classified
 from batchrun.errors import ProviderError, RetryableError, SpecError
 from batchrun.jsonutil import json_or_none
 from batchrun.provider_registry import provider_entry
@@ -38,7 +39,6 @@ from batchrun.providers.base import (
     stream_error,
     stream_event_json,
 )
-from batchrun.context import classified
 from batchrun.providers.http import error_for_status
 from batchrun.spec import JobSpec
 

@@ -10,6 +10,7 @@ import httpx
 import orjson
 
 from batchrun import tokens
+from batchrun.context import classified
 from batchrun.errors import PermanentError, ProviderError, RetryableError
 from batchrun.jsonutil import json_or_none
 from batchrun.provider_registry import provider_entry
@@ -27,7 +28,6 @@ from batchrun.providers.base import (
     stream_error,
     stream_event_json,
 )
-from batchrun.context import classified
 from batchrun.providers.http import error_for_status
 from batchrun.ratelimit import parse_reset
 from batchrun.spec import JobSpec
