@@ -27,8 +27,8 @@ def test_show_a_failed_item_and_browse_by_state(tmp_path: Path) -> None:
     assert lines[0] == "# r2  (job 1, line 3): failed, 1 request"
     assert f"POST {server.base_url}/chat/completions" in lines
     assert '      "content": "Say hello 2"' in lines
-    assert any(line.startswith("  1  ") and "  400  client_error" in line for line in lines), shown.stdout
-    assert "## Error" in lines and any(line.startswith("client_error (HTTP 400): ") for line in lines)
+    assert any(line.startswith("  1  ") and "  400  context_length" in line for line in lines), shown.stdout
+    assert "## Error" in lines and any(line.startswith("context_length (HTTP 400): ") for line in lines)
 
     failed = run_cli(tmp_path, "show", "1", "--where", "state=failed", "--limit", "2", "--json", "--db", str(db))
     items = [orjson.loads(line) for line in failed.stdout.splitlines()]

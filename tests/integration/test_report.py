@@ -185,17 +185,17 @@ def test_status_json_agrees_with_the_server_log(
 def test_failed_items_by_status_and_class_with_an_example(
     tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
-    server.refusals = Refusals(over_context="")  # every request refused, each its own way
+    server.refusals = Refusals(over_context="")  # every request refused as too long, each its own way (context_length)
     job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(6) + ["{broken"]))
     assert run(ledger, job_id).exit_code == ExitCode.SOME_FAILED
     data = status_json(db_url, job_id)
     assert data["counts"]["failed"] == 6 and data["counts"]["rejected"] == 1
     assert data["requests"] == data["failed_requests"] == len(server.log) == 6
     assert data["error_rate"] == 1.0
-    assert data["errors"] == {"client_error": 6, "invalid_json": 1}
+    assert data["errors"] == {"context_length": 6, "invalid_json": 1}
     classes = data["errors_by_class"]
-    assert classes["client_error"]["attempts"] == 6 and classes["client_error"]["items"] == 6
-    assert "HTTP 400" in classes["client_error"]["example"]
+    assert classes["context_length"]["attempts"] == 6 and classes["context_length"]["items"] == 6
+    assert "HTTP 400" in classes["context_length"]["example"]
     assert classes["invalid_json"]["attempts"] == 0 and classes["invalid_json"]["items"] == 1
     assert "not valid JSON" in classes["invalid_json"]["example"]
     assert list(data["errors_by_status"]) == ["400"]
@@ -206,7 +206,7 @@ def test_failed_items_by_status_and_class_with_an_example(
 
     page = tmp_path / "failed.html"
     text = cli("report", str(job_id), "--db", db_url, "--html", str(page)).stdout
-    assert "Errors by class" in text and "client_error" in text and "HTTP 400" in text
+    assert "Errors by class" in text and "context_length" in text and "HTTP 400" in text
     assert "Errors by HTTP status" in text and "not valid JSON" in text
     html = page.read_text()
     assert "<svg" not in html and "No clean answer yet." in html and "No item has succeeded yet." in html
