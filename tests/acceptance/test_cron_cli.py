@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -13,7 +16,7 @@ import pytest
 
 from batchrun.testing import FakeProviderServer, Faults
 
-from .conftest import run_cli
+from .conftest import batchrun_cmd, cli_env, run_cli
 from .test_api_key_cli import run_without_key
 from .test_cli import SPEC, write_records
 
@@ -106,3 +109,38 @@ def test_api_key_file_is_resolved_home_or_spec_relative(tmp_path: Path, raw: str
     plain = spec.with_name("plain.toml")
     plain.write_text(spec.read_text().replace(f'api_key_file = "{raw}"\n', ""))
     assert load_spec(plain).identity_hash() == loaded.identity_hash()  # where the key is read from is not identity
+
+
+@pytest.fixture
+def silent_proxy() -> Iterator[str]:
+    """A proxy address that accepts connections and never answers: a network that drops packets."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+
+
+@pytest.mark.parametrize("network", ["silent", "refused"])
+def test_a_tiktoken_table_that_cannot_be_fetched_costs_one_short_line_and_no_long_wait(
+    tmp_path: Path, silent_proxy: str, network: str
+) -> None:
+    spec = tmp_path / "s.toml"
+    spec.write_text('[provider]\nbase_url = "http://127.0.0.1:9/v1"\nmodel = "gpt-4o-mini"\n'
+                    '[request]\ntemplate = "Say {text}"\nmax_tokens = 5\n')
+    records = write_records(tmp_path, 3)
+    env = cli_env(tmp_path)  # no BATCHRUN_TIKTOKEN: tiktoken is on
+    (tmp_path / "empty-cache").mkdir()
+    proxy = silent_proxy if network == "silent" else "http://127.0.0.1:9"  # port 9: nothing listens
+    env.update(TIKTOKEN_CACHE_DIR=str(tmp_path / "empty-cache"), HTTPS_PROXY=proxy, HTTP_PROXY=proxy)
+    started = time.monotonic()
+    proc = subprocess.run(batchrun_cmd("submit", str(spec), "--input", str(records), "--dry-run"),
+                          capture_output=True, text=True, env=env, timeout=60)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr
+    assert "estimated from request size" in proc.stdout
+    [line] = proc.stderr.splitlines()
+    assert "tiktoken's o200k_base table" in line and "BATCHRUN_TIKTOKEN=0" in line and len(line) < 220, line
+    # The dry run waits 2 s for the table (it used to wait 10 s on a silent network);
+    # start-up on a loaded machine takes a few more.
+    assert elapsed < 8, elapsed
