@@ -144,3 +144,18 @@ def test_a_tiktoken_table_that_cannot_be_fetched_costs_one_short_line_and_no_lon
     # The dry run waits 2 s for the table (it used to wait 10 s on a silent network);
     # start-up on a loaded machine takes a few more.
     assert elapsed < 8, elapsed
+
+
+@pytest.mark.postgres
+def test_a_worker_backs_off_a_job_whose_key_file_is_missing_naming_it(tmp_path: Path, pg_url: str) -> None:
+    with FakeProviderServer(Faults(seed=3), api_key=KEY) as server:
+        spec, records = key_file_spec(tmp_path, server), write_records(tmp_path, 3)
+        stored = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", pg_url, "--no-run")
+        assert stored.returncode == 0, stored.stderr
+        worker = subprocess.Popen(batchrun_cmd("worker", "--db", pg_url, "--exit-when-idle", "--poll", "0.2"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(tmp_path))
+        time.sleep(3)
+        worker.terminate()
+        _, err = worker.communicate(timeout=60)
+        assert f"the API key file {tmp_path / 'openai.key'} that job 1 reads does not exist" in err, err
+        assert len(server.log) == 0
