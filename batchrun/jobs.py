@@ -241,7 +241,7 @@ def dry_run(spec: JobSpec, input_path: str | os.PathLike[str], *, strict: bool =
         model = model if isinstance(model, str) else "(none)"
         if model not in waited:  # tiktoken's table, when it has one for the model: counted, not guessed
             waited.add(model)
-            token_count.COUNTER.wait_for(model, timeout=10.0)
+            token_count.COUNTER.wait_for(model, timeout=token_count.TABLE_WAIT_SECONDS)
         tokens = provider.estimate_tokens(request)
         prompt, answer = tokens.prompt, tokens.answer
         report.prompt_tokens += prompt

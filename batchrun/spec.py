@@ -102,6 +102,7 @@ class ProviderSpec:
     base_url: str | None = None
     model: str | None = None
     api_key_env: str = provider_entry(DEFAULT_KIND).api_key_env
+    api_key_file: str | None = None  # absolute path of a file whose stripped content is the key (not the key)
     anthropic_version: str = DEFAULT_ANTHROPIC_VERSION  # the anthropic-version header (read by that kind only)
     convert_openai_input: bool = False  # accept OpenAI Batch lines and convert their bodies (where the kind can)
 
@@ -329,6 +330,7 @@ class JobSpec:
         data["output"].pop("schema_model")  # where the schema came from; the schema itself counts
         if data["request"]["max_input_tokens"] is None:  # unset: the hash of a job stored before the setting
             data["request"].pop("max_input_tokens")
+        data["provider"].pop("api_key_file")  # where the key is read from, not what is sent
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     def with_overrides(self, overrides: Overrides) -> JobSpec:
@@ -497,6 +499,7 @@ def parse_spec(
         base_url=base_url.rstrip("/") if base_url else None,
         model=_get(provider_t, "provider", "model", str, where, None),
         api_key_env=_get(provider_t, "provider", "api_key_env", str, where, entry.api_key_env),
+        api_key_file=_api_key_file(provider_t, where, base_dir or Path.cwd()),
         anthropic_version=_get(provider_t, "provider", "anthropic_version", str, where, DEFAULT_ANTHROPIC_VERSION),
         convert_openai_input=_get(provider_t, "provider", "convert_openai_input", bool, where, False),
     )
@@ -735,6 +738,19 @@ def _check_keys(table: Mapping[str, Any], section: str, where: str) -> None:
         raise SpecError(
             f"{where}: {label}unknown key {unknown[0]!r}; expected one of {', '.join(sorted(_KNOWN[section]))}"
         )
+
+
+def _api_key_file(table: Mapping[str, Any], where: str, base_dir: Path) -> str | None:
+    """``[provider] api_key_file`` as an absolute path (``~`` expanded, relative to the spec's folder);
+    it replaces ``api_key_env``, so the two together are an error. The file is read when the key is."""
+    raw = _get(table, "provider", "api_key_file", str, where, None)
+    if raw is None:
+        return None
+    if "api_key_env" in table:
+        raise SpecError(f"{where}: [provider] api_key_file and api_key_env both say where the key is: keep one")
+    if not raw.strip():
+        raise SpecError(f'{where}: [provider] api_key_file = "": give the path of a file holding the key')
+    return str((base_dir / Path(raw).expanduser()).resolve())
 
 
 def _get(table: Mapping[str, Any], section: str, key: str, expected: type, where: str, default: Any) -> Any:

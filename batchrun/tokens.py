@@ -9,7 +9,8 @@ tiktoken fetches an encoding's table over the network the first time it is
 used and then keeps it in its cache (``TIKTOKEN_CACHE_DIR``), with no timeout
 on the fetch. So tables are loaded on a daemon thread (``TokenCounter._loading``);
 until a table is in, and if it never comes (no network), estimates use the
-heuristic and nothing waits. ``BATCHRUN_TIKTOKEN=0`` turns tiktoken off
+heuristic and nothing waits (a dry run waits ``TABLE_WAIT_SECONDS`` for it, then says so
+in one line). ``BATCHRUN_TIKTOKEN=0`` turns tiktoken off
 (the tests do, so their figures do not depend on the network).
 """
 
@@ -24,6 +25,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 BYTES_PER_TOKEN = 4
+# How long a dry run waits for a table not yet in tiktoken's cache: a fetch that works takes
+# about a second; a network that drops packets would hang it (tiktoken sets no timeout).
+TABLE_WAIT_SECONDS = 2.0
 TIKTOKEN_SWITCH = "BATCHRUN_TIKTOKEN"  # "0": estimate from the request size even with tiktoken installed
 # OpenAI's chat format: each message is wrapped in a few tokens, and the reply is primed
 # with a few more (the counting recipe in OpenAI's cookbook).
@@ -64,6 +68,7 @@ class TokenCounter:
         self._encodings: dict[str, Any] = {}  # encoding name -> tiktoken.Encoding, once loaded
         self._started: dict[str, threading.Thread] = {}
         self._waited: set[str] = set()
+        self._warned: set[str] = set()  # encodings already said to be missing (one line each)
         self._lock = threading.Lock()
 
     def _loading(self, name: str) -> threading.Thread:
@@ -80,13 +85,20 @@ class TokenCounter:
         try:
             encoding = self._load(name)
         except Exception as exc:  # offline, a proxy, a broken cache: the heuristic stays
-            log.warning(
-                "tiktoken could not load the %s encoding (%s: %s); prompt tokens are estimated from the request "
-                "size instead", name, type(exc).__name__, str(exc)[:200],
-            )
+            self._warn(name, f"could not be fetched ({type(exc).__name__})")
             return
         with self._lock:
             self._encodings[name] = encoding
+
+    def _warn(self, name: str, why: str) -> None:
+        with self._lock:
+            if name in self._warned:
+                return
+            self._warned.add(name)
+        log.warning(
+            "tiktoken's %s table %s; prompt tokens are estimated from the request size (%s=0: do not fetch)",
+            name, why, TIKTOKEN_SWITCH,
+        )
 
     def _name(self, model: str) -> str | None:
         if model not in self._names:
@@ -101,7 +113,10 @@ class TokenCounter:
             return False
         if name not in self._waited:
             self._waited.add(name)
-            self._loading(name).join(timeout)
+            thread = self._loading(name)
+            thread.join(timeout)
+            if thread.is_alive():
+                self._warn(name, f"is not in the cache and did not arrive within {timeout:g} s (offline?)")
         return name in self._encodings
 
     def encoding(self, model: Any) -> Any | None:

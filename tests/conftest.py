@@ -89,3 +89,19 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+# The campaigns that kill processes or run many rounds: most of the full suite's time.
+# `pytest -m "not slow"` leaves them out (README: "Running the tests").
+SLOW_FILES = frozenset({
+    "tests/chaos/test_chaos.py",
+    "tests/acceptance/test_kill_resume.py",
+    "tests/acceptance/test_batch_kill.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).resolve().parent.parent
+    for item in items:
+        if item.path.resolve().relative_to(root).as_posix() in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)

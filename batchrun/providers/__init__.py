@@ -10,6 +10,7 @@ package does not load the HTTP stack.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchrun.errors import SpecError
@@ -28,7 +29,10 @@ def provider_for(spec: JobSpec, *, api_key: str | None = None, read_key: bool = 
     """The provider a spec names. The API key comes only from the variable the spec names,
     and is registered for redaction the moment it is read."""
     if read_key and api_key is None:
-        api_key = os.environ.get(spec.provider.api_key_env) or None
+        if spec.provider.api_key_file:
+            api_key = _read_key_file(spec.provider.api_key_file)
+        else:
+            api_key = os.environ.get(spec.provider.api_key_env) or None
     register_secret(api_key)
     if not spec.provider.base_url:
         raise SpecError("[provider] base_url is not set (give it in the spec or with --base-url)")
@@ -36,9 +40,43 @@ def provider_for(spec: JobSpec, *, api_key: str | None = None, read_key: bool = 
     return provider
 
 
+def _read_key_file(path: str) -> str | None:
+    """The stripped content of ``[provider] api_key_file`` (None: missing, unreadable or empty)."""
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    register_secret(key or None)
+    return key or None
+
+
+def _key_file_problem(path: str) -> str | None:
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return "does not exist"
+    except IsADirectoryError:
+        return "is a directory"
+    except PermissionError:
+        return "cannot be read (permission denied)"
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot be read ({exc.__class__.__name__})"
+    return None if key else "is empty"
+
+
 def missing_api_key(spec: JobSpec, *, job_id: int | None = None) -> SpecError | None:
-    """SpecError naming the key variable the spec reads and the environment lacks (None: it is set,
-    or ``api_key_env = ""`` says the server needs no key). Asked before anything is sent."""
+    """SpecError naming the key variable the spec reads and the environment lacks, or the
+    ``api_key_file`` that is missing, unreadable or empty (None: the key is there, or
+    ``api_key_env = ""`` says the server needs no key). Asked before anything is sent."""
+    if spec.provider.api_key_file:
+        problem = _key_file_problem(spec.provider.api_key_file)
+        if problem is None:
+            return None
+        whose = f" that job {job_id} reads" if job_id is not None else ""
+        return SpecError(
+            f"the API key file {spec.provider.api_key_file}{whose} {problem}; nothing was sent: "
+            "write the key into it (one line) and run the same command again"
+        )
     name = spec.provider.api_key_env
     if not name or os.environ.get(name):
         return None

@@ -96,7 +96,7 @@ def test_rate_budget_is_one_bucket_for_every_taker(db_url: str) -> None:
         elapsed = max(spent) - t0
         assert len(spent) == 60
         assert elapsed >= (60 - 4) / 40.0 * 0.97, "never faster than the rate, whoever takes"
-        assert elapsed < 3.0
+        assert elapsed < 4 * (60 - 4) / 40.0, "no taker waits for another's share"
         # A later run's limit replaces the rate; the bucket stays one.
         ledgers[1].set_rate_budget(job_id, "requests", per_second=1000.0, capacity=10.0)
         time.sleep(0.05)

@@ -34,8 +34,9 @@ from batchrun.states import ExitCode, ItemState
 
 FAST = RunOptions(backoff_initial=0.01, backoff_max=0.05, flush_interval=0.05)
 # Client-side latency includes the server's time plus the client's own work; on a busy
-# two-core machine that overhead can reach tens of milliseconds.
-LATENCY_SLACK_MS = 80.0
+# two-core machine shared with other test runs that overhead can reach hundreds of
+# milliseconds on a bad second, so the upper bound is generous (a unit mix-up still fails it).
+LATENCY_SLACK_MS = 400.0
 CLOCK_SLACK_MS = 2.0  # the server stamps time.time(), the client times with perf_counter
 # The server's outcome -> the error class batchrun records for that attempt.
 CLASS_OF = {"429": "rate_limited", "500": "server_error", "503": "server_error", "reset": "connection"}
@@ -568,5 +569,6 @@ def test_status_reports_time_to_first_token_of_a_streamed_job(
     ttft, total = status["ttft_ms"], status["latency_ms"]
     assert ttft["count"] == 40
     assert 30 - CLOCK_SLACK_MS <= ttft["p50"] <= ttft["p99"] <= 30 + LATENCY_SLACK_MS
+    assert ttft["p99"] <= total["p99"] and ttft["max"] <= total["max"]  # each first token came before its answer ended
     # the rest of the answer came in chunks, the next one 30 ms after the first token
     assert total["p50"] >= ttft["p50"] + 25

@@ -255,7 +255,10 @@ def test_outcomes_are_committed_in_batches(ledger: Ledger, server: FakeProviderS
     finally:
         event.remove(ledger.engine, "commit", count)
     assert summary.exit_code == ExitCode.OK
-    assert commits < 60, commits  # claims + batched outcome writes, never one per item
+    # Claims + batched outcome writes, never one per item. How many answers one commit gathers
+    # depends on how fast they arrive during the previous one (a loaded machine, a PostgreSQL
+    # round trip), so the bound is a ratio to the 600 items, not a count of flush intervals.
+    assert commits < 600 / 4, commits
 
 
 def test_slots_handed_back_together_do_not_go_out_together(

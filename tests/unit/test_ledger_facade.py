@@ -161,7 +161,7 @@ def test_close_waits_for_the_call_on_the_thread_unless_told_not_to(sqlite_ledger
     took, finished = asyncio.run(close_during_a_call(wait=True))
     assert finished and took >= 0.2
     took, finished = asyncio.run(close_during_a_call(wait=False))
-    assert not finished and took < 0.2
+    assert not finished, took  # close returned while the 0.3 s call was still going
 
 
 def test_what_is_transient() -> None:

@@ -177,7 +177,7 @@ def test_request_stop_puts_unstarted_items_back_at_once_and_in_flight_ones_get_t
     assert during_grace == {f"q{i}": ItemState.PENDING for i in range(4, 20)} | running | done
     assert states(ledger, job_id) == {f"q{i}": ItemState.PENDING for i in range(2, 20)} | done
     assert [row.attempts for row in ledger.items(job_id)][:4] == [1, 1, 0, 0]  # the cut ones are not charged
-    assert 0.3 <= took < 1.5
+    assert 0.3 <= took < 15  # the grace, then cut: far below the 60 s the answer would take
 
 
 def test_a_refused_key_stops_the_run_with_every_item_pending() -> None:

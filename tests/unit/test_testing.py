@@ -193,7 +193,7 @@ def test_latency_is_applied() -> None:
         r = c.post("/chat/completions", json=chat("slow"))
         elapsed = time.perf_counter() - t0
     assert r.status_code == 200
-    assert 0.2 <= elapsed < 1.5
+    assert 0.2 <= elapsed < 5  # at least the latency; the upper bound only catches a stuck server
 
 
 # ---------------------------------------------------------------------- errors and faults
