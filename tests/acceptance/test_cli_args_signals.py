@@ -4,6 +4,7 @@ value), and a second Ctrl-C at different moments of a submit exits 75 without a 
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from batchrun.testing import FakeProviderServer, Faults
 
-from .conftest import run_cli, start_cli, wait_for_requests
+from .conftest import batchrun_cmd, cli_env, run_cli, start_cli, wait_for_requests
 from .test_cli import write_records, write_spec
 
 
@@ -21,9 +22,10 @@ def test_an_option_value_that_reads_like_v_or_q_stays_the_options_value(
     db = tmp_path / "l.db"
     spec, records = write_spec(tmp_path, server), write_records(tmp_path, 3)
     assert run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "-q").returncode == 0
-    out = run_cli(tmp_path, "export", "1", "--db", str(db), "--output", str(tmp_path / "-v"), "--errors", "-q")
+    out = subprocess.run(batchrun_cmd("export", "1", "--db", str(db), "--output", "-v", "--errors", "-q"),
+                         capture_output=True, text=True, env=cli_env(tmp_path), cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert len((tmp_path / "-v").read_text().splitlines()) == 3
+    assert len((tmp_path / "-v").read_text().splitlines()) == 3 and (tmp_path / "-q").exists()
     quiet = run_cli(tmp_path, "status", "1", "--db", str(db), "-q", "-v")  # still the group's flags after it
     assert quiet.returncode == 0, quiet.stderr
 
