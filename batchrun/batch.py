@@ -52,6 +52,7 @@ import orjson
 from batchrun.budget import ROUNDING_MARGIN, usd, worst_case_rate
 from batchrun.cache import cache_scope, request_key, reusable
 from batchrun.errors import AuthError, LockLostError, OutputInvalidError, PermanentError, ProviderError, RetryableError
+from batchrun.hints import command
 from batchrun.ledger import LEDGER_RETRY_SECONDS, AsyncLedger, AttemptRecord, JobRecord, Ledger, Outcome
 from batchrun.ledger.shards import ShardItem, ShardLedger, ShardPlan, ShardRecord
 from batchrun.pricing import Price, price_for
@@ -262,7 +263,7 @@ class BatchRunner:
                 self.request_stop(
                     StopReason.AT_PROVIDER,
                     f"{sum(s.requests for s in shards)} items at the provider in {len(shards)} batches; "
-                    f"`batchrun resume {self.job.id}` collects them",
+                    f"`{command(self.ledger.url, 'resume', self.job.id)}` collects them",
                 )
                 return
             await self._sleep(self._until_next(shards))

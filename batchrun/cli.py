@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -187,22 +186,60 @@ def _open(db: str | None, *, existing: bool = False) -> Ledger:
     return Ledger.open(db)
 
 
-_VERBOSITY = re.compile(r"-v+|--verbose|-q|--quiet")
+def _apply_log_level(ctx: click.Context) -> None:
+    """The stderr log level from every ``-v``/``-q`` seen so far, before or after the subcommand."""
+    meta = ctx.find_root().meta
+    verbose, quiet = meta.get("batchrun.verbose", 0), meta.get("batchrun.quiet", False)
+    logging.getLogger().setLevel(logging.ERROR if quiet and not verbose else logging.WARNING - 10 * min(verbose, 2))
+
+
+def _count_verbose(ctx: click.Context, param: click.Parameter, value: int) -> None:
+    if value:
+        meta = ctx.find_root().meta
+        meta["batchrun.verbose"] = meta.get("batchrun.verbose", 0) + value
+        _apply_log_level(ctx)
+
+
+def _note_quiet(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.find_root().meta["batchrun.quiet"] = True
+        _apply_log_level(ctx)
+
+
+def _verbosity_params(own: list[click.Parameter]) -> list[click.Parameter]:
+    """The group's ``-v``/``-q`` for a subcommand's own line (hidden in its --help), except where the
+    subcommand has an option of that name itself (submit's ``-q``: no progress display).
+
+    Parsed by click like any option, so a value that happens to read ``-q`` (``--output -q``) stays a value.
+    """
+    taken = {opt for param in own for opt in (*param.opts, *param.secondary_opts)}
+    params: list[click.Parameter] = []
+    if not taken & {"-v", "--verbose"}:
+        params.append(click.Option(["-v", "--verbose", "batchrun_verbose"], count=True, expose_value=False,
+                                   hidden=True, callback=_count_verbose))
+    if not taken & {"-q", "--quiet"}:
+        params.append(click.Option(["-q", "--quiet", "batchrun_quiet"], is_flag=True, expose_value=False,
+                                   hidden=True, callback=_note_quiet))
+    return params
+
+
+class BatchrunCommand(click.Command):
+    """A subcommand: also takes the group's ``-v``/``-q`` after its name."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.extend(_verbosity_params(self.params))
 
 
 class BatchrunGroup(click.Group):
-    """The ``batchrun`` group: usage errors in our one-line style; ``-v``/``-q`` anywhere on the line."""
+    """The ``batchrun`` group: usage errors in our one-line style; ``-v``/``-q`` after a subcommand too."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        # -v/-q after the subcommand are the group's (unless the subcommand has its own -q).
-        at = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
-        if at is not None and args[at] in self.commands:
-            command = self.commands[args[at]]
-            own = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
-            end = args.index("--") if "--" in args else len(args)
-            moved = [i for i in range(at + 1, end) if _VERBOSITY.fullmatch(args[i]) and args[i] not in own]
-            args = [args[i] for i in moved] + [a for i, a in enumerate(args) if i not in set(moved)]
-        return super().parse_args(ctx, args)
+    command_class = BatchrunCommand
+    group_class = type  # `batchrun db ...` is one of ours too
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.extend(_verbosity_params(self.params))
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
@@ -223,11 +260,12 @@ class BatchrunGroup(click.Group):
 
 
 @click.group(cls=BatchrunGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug); also after the command.")
-@click.option("-q", "--quiet", "quiet_logs", is_flag=True,
+@click.option("-v", "--verbose", count=True, expose_value=False, callback=_count_verbose,
+              help="More log output (-v info, -vv debug); also after the command.")
+@click.option("-q", "--quiet", "quiet_logs", is_flag=True, expose_value=False, callback=_note_quiet,
               help="Log errors only; also after the command (where a command has its own -q, that one).")
 @click.version_option(package_name="batchrun")
-def main(verbose: int, quiet_logs: bool) -> None:
+def main() -> None:
     """Resumable batch jobs over LLM APIs, with a ledger that never pays twice.
 
     \b
@@ -247,10 +285,10 @@ def main(verbose: int, quiet_logs: bool) -> None:
         interrupt.reset()  # in-process (tests): each invocation starts with no signal seen
     if click.get_current_context().invoked_subcommand not in RUN_COMMANDS:
         interrupt.release()
-    level = logging.ERROR if quiet_logs and not verbose else logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="batchrun: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(format="batchrun: %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
+    _apply_log_level(click.get_current_context())
 
 
 def _log_to_file(path: str | None) -> None:

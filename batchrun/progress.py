@@ -7,11 +7,13 @@ import asyncio
 import logging
 import sys
 import time
+from datetime import datetime
 from typing import Any, TextIO
 
 import orjson
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Column
 
 from batchrun.scheduler import JobRunner
 from batchrun.states import WORKED_STATES
@@ -20,8 +22,12 @@ DEFAULT_INTERVAL_S = 10.0
 log = logging.getLogger("batchrun.progress")
 
 
-def snapshot(runner: JobRunner, todo: int) -> dict[str, Any]:
-    """Where the run stands: counts, rate, ETA, spend, errors by class, concurrency and rate-limit state."""
+def snapshot(runner: JobRunner, todo: int, before: int = 0) -> dict[str, Any]:
+    """Where the run stands: counts, rate, ETA, spend, errors by class, concurrency and rate-limit state.
+
+    ``done``/``todo`` are this run's; ``job_done``/``job_total`` add the ``before`` items the job had
+    finished before it (a resume shows 200/200, not 122/122).
+    """
     s = runner.stats
     todo += s.fed  # items the ingest beside the run has stored since it started
     done = sum(s.done[k] for k in WORKED_STATES)
@@ -39,6 +45,8 @@ def snapshot(runner: JobRunner, todo: int) -> dict[str, Any]:
         "elapsed_s": round(elapsed, 3),
         "todo": todo,
         "done": done,
+        "job_done": before + done,
+        "job_total": before + todo,
         "succeeded": s.done["succeeded"],
         "failed": s.done["failed"],
         "invalid_output": s.done["invalid_output"],
@@ -58,12 +66,22 @@ def snapshot(runner: JobRunner, todo: int) -> dict[str, Any]:
     }
 
 
+def _eta(snap: dict[str, Any]) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(snap["eta_s"])) if snap["eta_s"] is not None else "-"
+
+
+def _done_before(runner: JobRunner) -> int:
+    """Items of the job finished by earlier runs (what the job counts as done, less this run's own)."""
+    counts = runner.ledger.counts(runner.job.id)
+    return max(0, sum(counts[k] for k in WORKED_STATES) - sum(runner.stats.done[k] for k in WORKED_STATES))
+
+
 def _line(snap: dict[str, Any]) -> str:
     errors = ", ".join(f"{k}={v}" for k, v in list(snap["errors"].items())[:4]) or "none"
     paused = f" paused {snap['paused_for_s']:.1f}s" if snap["paused_for_s"] > 0 else ""
     eta = f"{snap['eta_s']:.0f}s" if snap["eta_s"] is not None else "-"
     return (
-        f"done {snap['done']}/{snap['todo']} ok={snap['succeeded']}"
+        f"done {snap['job_done']}/{snap['job_total']} ok={snap['succeeded']}"
         + (f" (reused {snap['cached']})" if snap["cached"] else "")
         + f" failed={snap['failed']} "
         f"rate={snap['rate_per_s']:.1f}/s eta={eta} in_flight={snap['in_flight']} window={snap['concurrency_now']}{paused} "
@@ -71,11 +89,12 @@ def _line(snap: dict[str, Any]) -> str:
     )
 
 
-def _emit(runner: JobRunner, todo: int, stream: TextIO | None) -> None:
-    snap = snapshot(runner, todo)
+def _emit(runner: JobRunner, todo: int, before: int, stream: TextIO | None) -> None:
+    snap = snapshot(runner, todo, before)
     log.info("progress", extra={"progress": snap})
-    if stream is not None:
-        print(f"batchrun: job {runner.job.id}: {_line(snap)}", file=stream, flush=True)
+    if stream is not None:  # a timestamp per line: cron mail and log files are read later
+        stamp = datetime.now().astimezone().isoformat(timespec="seconds")
+        print(f"{stamp} batchrun: job {runner.job.id}: {_line(snap)}", file=stream, flush=True)
 
 
 async def show_progress(
@@ -93,35 +112,41 @@ async def show_progress(
     otherwise the same figures go to ``stream`` as one line. ``quiet``: log records only.
     """
     stream = stream or sys.stderr
+    before = await asyncio.to_thread(_done_before, runner)
     if quiet or not stream.isatty():
         out = None if quiet else stream
         try:
             while True:
                 await asyncio.sleep(interval)
-                _emit(runner, todo, out)
+                _emit(runner, todo, before, out)
         finally:
-            _emit(runner, todo, out)
+            _emit(runner, todo, before, out)
     console = Console(file=stream)
     next_record = time.monotonic() + interval
+    # Most important first: done/total, rate and ETA keep their width; at 80 columns the bar shrinks
+    # and the detail (in flight, spend, failures, errors) is cut from its end with an ellipsis.
     with Progress(
         TextColumn(f"job {runner.job.id}"),
-        BarColumn(),
         MofNCompleteColumn(),
-        TaskProgressColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[detail]}"),
+        TextColumn("{task.fields[rate]}"),
+        TextColumn("eta {task.fields[eta]}"),
+        BarColumn(bar_width=None, table_column=Column(ratio=1, min_width=5)),
+        TextColumn("{task.fields[detail]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1, min_width=0)),
         console=console,
         transient=False,
+        expand=True,
     ) as progress:
-        task = progress.add_task("run", total=todo, detail="")
+        task = progress.add_task("run", total=before + todo, detail="", rate="", eta="-")
         while True:
-            snap = snapshot(runner, todo)
+            snap = snapshot(runner, todo, before)
             errors = " ".join(f"{k}:{v}" for k, v in list(snap["errors"].items())[:3])
             paused = f" [yellow]paused {snap['paused_for_s']:.0f}s[/]" if snap["paused_for_s"] > 0 else ""
             progress.update(
                 task,
-                completed=snap["done"],
-                total=snap["todo"],
+                completed=snap["job_done"],
+                total=snap["job_total"],
+                rate=f"{snap['rate_per_s']:.1f}/s",
+                eta=_eta(snap),
                 detail=f"in flight {snap['in_flight']}/{snap['concurrency_now']}  ${snap['cost_usd']:.4f}  "
                 f"failed {snap['failed']}" + (f"  reused {snap['cached']}" if snap["cached"] else "")
                 + f"  {errors}{paused}",
@@ -132,8 +157,8 @@ async def show_progress(
             try:
                 await asyncio.sleep(0.2)
             except asyncio.CancelledError:
-                progress.update(task, completed=sum(runner.stats.done[k] for k in WORKED_STATES))
-                log.info("progress", extra={"progress": snapshot(runner, todo)})
+                progress.update(task, completed=before + sum(runner.stats.done[k] for k in WORKED_STATES))
+                log.info("progress", extra={"progress": snapshot(runner, todo, before)})
                 raise
 
 

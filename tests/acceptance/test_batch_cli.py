@@ -50,7 +50,8 @@ def test_no_wait_leaves_the_batch_at_the_provider_and_a_later_run_collects_it(tm
         assert first.returncode == 75, first.stderr
         result = orjson.loads(first.stdout)
         assert result["counts"]["submitted"] == 12 and result["stop_reason"] == "at_provider"
-        assert "12 items at the provider in 1 batches; `batchrun resume 1` collects them" in first.stderr
+        # the hint names the ledger (issue 17): pasted as is, it collects this job, not the default ledger's
+        assert f"12 items at the provider in 1 batches; `batchrun resume 1 --db {db}` collects them" in first.stderr
         status = orjson.loads(run_cli(tmp_path, "status", "1", "--db", db, "--json").stdout)
         assert status["batch"]["at_provider"] == 12 and status["batch"]["shards"][0]["state"] == "live"
         text = run_cli(tmp_path, "status", "1", "--db", db).stdout
