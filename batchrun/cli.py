@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -244,6 +245,14 @@ class BatchrunGroup(click.Group):
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
              complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
         try:
+            self._main(args, prog_name, complete_var, **extra)
+        except SystemExit as exc:
+            _log_run_ended(exc.code)
+            raise
+
+    def _main(self, args: Sequence[str] | None, prog_name: str | None, complete_var: str | None,
+              **extra: Any) -> None:
+        try:
             code = super().main(args, prog_name, complete_var, False, **extra)
         except click.UsageError as exc:
             where = exc.ctx.command_path if exc.ctx is not None else "batchrun"
@@ -311,6 +320,23 @@ def _log_to_file(path: str | None) -> None:
             existing.setLevel(root.level)
     logging.getLogger("batchrun").setLevel(min(root.level, logging.INFO))
     root.addHandler(handler)
+    global _run_log
+    _run_log = handler
+    command = click.get_current_context().command_path.split()[-1]
+    logging.getLogger("batchrun.cli").info(
+        "run_started", extra={"run": {"event": "run_started", "command": command, "pid": os.getpid()}})
+
+
+_run_log: logging.Handler | None = None  # --log-file's handler once opened: the run_ended record goes there
+
+
+def _log_run_ended(code: object) -> None:
+    """``--log-file``: the last record of an invocation, with its exit code."""
+    if _run_log is None or _run_log not in logging.getLogger().handlers:
+        return
+    exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+    logging.getLogger("batchrun.cli").info(
+        "run_ended", extra={"run": {"event": "run_ended", "exit_code": exit_code, "pid": os.getpid()}})
 
 
 def _progress(quiet: bool, log_file: str | None = None, interval: float = 10.0) -> OnStart | None:

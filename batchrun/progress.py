@@ -164,9 +164,9 @@ async def show_progress(
 
 class JsonLinesFormatter(logging.Formatter):
     """One JSON object per log record: time, level, logger, message, and the record's
-    structured extras (``progress``, ``job``, ``item``, ``attempt``)."""
+    structured extras (``progress``, ``run``, ``job``, ``item``, ``attempt``)."""
 
-    EXTRAS = ("progress", "job", "item", "attempt")
+    EXTRAS = ("progress", "run", "job", "item", "attempt")
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {

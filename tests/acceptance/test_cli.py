@@ -464,6 +464,9 @@ def test_log_file_gets_json_lines_with_progress_records(tmp_path: Path, server: 
     assert final["errors"].get("server_error", 0) == sum(1 for r in server.log if r.outcome == "500")
     assert final["requests"] == len(server.log)
     assert all({"ts", "level", "logger", "message"} <= set(e) for e in entries)
+    runs = [e["run"] for e in entries if "run" in e]  # the invocation's first and last records
+    assert entries[0]["message"] == "run_started" and runs[0]["command"] == "submit"
+    assert entries[-1]["message"] == "run_ended" and runs[-1] == {"event": "run_ended", "exit_code": 0, "pid": runs[0]["pid"]}
     # a second run appends to the same file; a new job over the same input is answered from the cache
     again = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--new",
                     "--log-file", str(log_file), "--progress-interval", "0.2")
@@ -472,6 +475,17 @@ def test_log_file_gets_json_lines_with_progress_records(tmp_path: Path, server: 
     last = [e["progress"] for e in later if e["logger"] == "batchrun.progress"][-1]
     assert (last["done"], last["succeeded"], last["cached"], last["requests"]) == (60, 60, 60, 0)
     assert "(reused 60)" in again.stderr  # the progress line on stderr says so too
+
+
+def test_log_file_run_ended_carries_the_exit_code(tmp_path: Path, server: FakeProviderServer) -> None:
+    server.faults = Faults(seed=3, latency_s=0.05)
+    spec, records, log_file = write_spec(tmp_path, server), write_records(tmp_path, 400), tmp_path / "run.jsonl"
+    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(tmp_path / "l.db"), "--quiet",
+                   "--log-file", str(log_file), "--max-runtime", "1s")
+    assert proc.returncode == 75, proc.stderr  # stopped at its deadline with work left
+    entries = [orjson.loads(line) for line in log_file.read_bytes().splitlines()]
+    assert [e["message"] for e in entries if "run" in e] == ["run_started", "run_ended"]
+    assert entries[-1]["run"]["exit_code"] == 75
 
 
 def test_log_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path, server: FakeProviderServer) -> None:
