@@ -50,6 +50,9 @@ KNOWN_WINDOWS: dict[str, int] = {
     "gpt-4": 8_192,
     "gpt-4-32k": 32_768,
     "gpt-4-turbo": 128_000,
+    "gpt-4-1106": 128_000,  # the gpt-4 previews have gpt-4-turbo's window
+    "gpt-4-0125": 128_000,
+    "gpt-4-vision": 128_000,
     "gpt-4o": 128_000,
     "gpt-4o-mini": 128_000,
     "gpt-4.1": 1_047_576,  # gpt-4.1, -mini, -nano
@@ -74,6 +77,9 @@ KNOWN_WINDOWS: dict[str, int] = {
     "claude-sonnet-4-6": 1_000_000,
     "claude-sonnet-5": 1_000_000,
 }
+# Bytes of request JSON a token takes at the most (runs of one character, plain ASCII words):
+# without tiktoken's count, a prompt is rejected only when it is too long even at this rate.
+LEAST_BYTES_PER_TOKEN = 5
 _BY_LENGTH = sorted(KNOWN_WINDOWS.items(), key=lambda kv: len(kv[0]), reverse=True)
 
 
@@ -139,15 +145,40 @@ class ContextGuard:
         if window is None:
             return None
         estimate = size // tokens.BYTES_PER_TOKEN
-        answer = answer_limit(body)
+        answer = answer_limit(body) if _answer_counts(model) else 0
         if 2 * estimate + answer <= window:  # far from the limit: tiktoken would not change the answer
             return None
         if model is not None:
             tokens.COUNTER.wait_for(model, timeout=TIKTOKEN_WAIT_S)
         counted = self.provider.estimate_tokens(self.provider.prepare(url, text))
-        if counted.prompt + answer <= window:
+        prompt = counted.prompt
+        if not counted.counted:
+            # Only a size to go by: a rejection is for good, so reject only what cannot fit at even
+            # LEAST_BYTES_PER_TOKEN bytes a token, and without the base64 of images and documents (a
+            # picture costs ~1k tokens whatever its size). The rest goes; a provider's "too long"
+            # 400 (unbilled) is a context_length failure of that item.
+            prompt = max(0, size - _inline_data_bytes(body)) // LEAST_BYTES_PER_TOKEN
+        if prompt + answer <= window:
             return None
-        return Fit(counted.prompt, counted.counted, answer, window, model, self.max_input_tokens is not None)
+        return Fit(prompt, counted.counted, answer, window, model, self.max_input_tokens is not None)
+
+
+def _answer_counts(model: str | None) -> bool:
+    """Whether the answer's ``max_tokens`` counts against the window: Claude 3 models before 3.7
+    shorten the answer to fit instead of refusing the request."""
+    name = (model or "").rsplit("/", 1)[-1].lower()
+    return not (name.startswith("claude-3-") and not name.startswith("claude-3-7"))
+
+
+def _inline_data_bytes(body: object) -> int:
+    """Bytes of base64 payloads (``data:`` URLs, ``"data"`` fields) in a request body."""
+    if isinstance(body, Mapping):
+        return sum(len(v) if k == "data" and isinstance(v, str) else _inline_data_bytes(v) for k, v in body.items())
+    if isinstance(body, list):
+        return sum(_inline_data_bytes(v) for v in body)
+    if isinstance(body, str) and body.startswith("data:"):
+        return len(body)
+    return 0
 
 
 def answer_limit(body: Mapping[str, Any]) -> int:

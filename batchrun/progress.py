@@ -112,6 +112,8 @@ async def show_progress(
     otherwise the same figures go to ``stream`` as one line. ``quiet``: log records only.
     """
     stream = stream or sys.stderr
+    while not runner.run_id:  # nothing to show before the run holds the job: an overlapping run says only that
+        await asyncio.sleep(0.05)
     before = await asyncio.to_thread(_done_before, runner)
     if quiet or not stream.isatty():
         out = None if quiet else stream

@@ -175,6 +175,10 @@ def test_second_runner_exits_75_naming_the_holder(tmp_path: Path, server: FakePr
     second = run_cli(tmp_path, "resume", "1", "--db", str(db))
     assert second.returncode == 75
     assert "is being worked by run" in second.stderr and f"pid {first.pid}" in second.stderr
+    overlapping = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db))
+    assert overlapping.returncode == 75 and "is being worked by run" in overlapping.stderr
+    for proc in (second, overlapping):  # the lock message only: no progress line of a run that never ran
+        assert "done " not in proc.stderr, proc.stderr
     first.send_signal(signal.SIGINT)
     first.communicate(timeout=30)
     assert first.returncode == 75

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from batchrun import tokens
-from batchrun.context import CONTEXT_LENGTH, known_window
+from batchrun.context import CONTEXT_LENGTH, _answer_counts, known_window
 from batchrun.errors import PermanentError, SpecError
 from batchrun.health import Refusals
 from batchrun.ingest import RequestBuilder, check_input
@@ -47,19 +47,19 @@ def test_known_windows_match_the_longest_prefix(model: str, window: int | None) 
 
 
 def lines(tmp_path: Path, *words: int) -> Path:
-    """One record per count: a text of that many 5-byte words (~1.25 tokens each by bytes/4)."""
+    """One record per count: a text of that many 5-byte words (at least one token each by bytes/5)."""
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"".join(orjson.dumps({"id": f"r{i}", "text": "word " * n}) + b"\n" for i, n in enumerate(words)))
     return path
 
 
 def test_a_prompt_over_the_window_is_rejected_with_its_size_and_the_window(tmp_path: Path) -> None:
-    stats = check_input(lines(tmp_path, 10, 120_000, 10), builder(spec_of()))
+    stats = check_input(lines(tmp_path, 10, 160_000, 10), builder(spec_of()))
     assert (stats.accepted, stats.rejected) == (2, 1)
     assert stats.causes == {CONTEXT_LENGTH: 1}
     line, reason = stats.rejections[0]
     assert line == 2
-    assert reason.startswith("prompt ~150,0")  # 600,000 bytes of text / 4
+    assert reason.startswith("prompt ~160,0")  # 800,000 bytes of text / 5 (LEAST_BYTES_PER_TOKEN)
     assert "+ max_tokens 1,024 exceeds the context window of gpt-4o (128,000 tokens;" in reason
 
 
@@ -74,16 +74,16 @@ def test_max_tokens_counts_against_the_window(tmp_path: Path) -> None:
 
 
 def test_an_unknown_model_has_no_guard_unless_the_spec_sets_a_window(tmp_path: Path) -> None:
-    path = lines(tmp_path, 180_000)  # ~225,000 tokens
+    path = lines(tmp_path, 180_000)  # ~180,000 tokens at the least
     assert check_input(path, builder(spec_of(model="my-local-model"))).rejected == 0
-    assert check_input(path, builder(spec_of(model="my-local-model", max_input_tokens=200_000))).rejected == 1
+    assert check_input(path, builder(spec_of(model="my-local-model", max_input_tokens=100_000))).rejected == 1
     assert check_input(path, builder(spec_of(max_input_tokens=0))).rejected == 0  # 0: no guard, even for gpt-4o
 
 
 def test_anthropic_models_and_batch_form_lines_are_guarded_by_their_own_model(tmp_path: Path) -> None:
-    assert check_input(lines(tmp_path, 200_000), builder(spec_of("anthropic", "claude-3-5-haiku-latest"))).rejected == 1
+    assert check_input(lines(tmp_path, 190_000), builder(spec_of("anthropic", "claude-sonnet-4-5", max_tokens=16_000))).rejected == 1
     path = tmp_path / "batch.jsonl"
-    big = {"model": "gpt-4o-mini", "max_tokens": 100, "messages": [{"role": "user", "content": "word " * 120_000}]}
+    big = {"model": "gpt-4o-mini", "max_tokens": 100, "messages": [{"role": "user", "content": "word " * 160_000}]}
     small = {**big, "messages": [{"role": "user", "content": "hi"}]}
     path.write_bytes(b"".join(
         orjson.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}) + b"\n"
@@ -160,3 +160,27 @@ def test_near_the_limit_the_prompt_is_counted_with_tiktoken(tmp_path: Path, monk
     assert stats.rejections[0][0] == 2
     assert stats.rejections[0][1].startswith("prompt 130,0")
     assert " tokens (tiktoken) + max_tokens 1,024 exceeds the context window of gpt-4o" in stats.rejections[0][1]
+
+
+def test_a_size_alone_rejects_only_what_cannot_fit_at_five_bytes_a_token(tmp_path: Path) -> None:
+    # 600,000 bytes: ~150,000 tokens by bytes/4, yet as few as ~120,000 (tiktoken counts "word " * n
+    # as n tokens): without a count it may fit gpt-4o's 128,000, so it is sent, not rejected for good
+    assert check_input(lines(tmp_path, 120_000), builder(spec_of())).rejected == 0
+
+
+def test_base64_images_do_not_count_by_their_size(tmp_path: Path) -> None:
+    path = tmp_path / "batch.jsonl"
+    image = "data:image/png;base64," + "A" * 900_000  # ~1k tokens to the provider, 225k by bytes/4
+    body = {"model": "gpt-4o", "max_tokens": 300, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": image}}]}]}
+    path.write_bytes(orjson.dumps({"custom_id": "img", "method": "POST", "url": "/v1/chat/completions", "body": body}) + b"\n")
+    spec = parse_spec({"provider": {"base_url": "http://127.0.0.1:9/v1"}}, where="test.toml")
+    assert check_input(path, builder(spec)).rejected == 0
+
+
+def test_old_claude_3_answers_do_not_count_against_the_window_and_gpt_4_previews_have_128k() -> None:
+    assert _answer_counts("claude-3-5-sonnet-20241022") is False and _answer_counts("claude-3-haiku-20240307") is False
+    assert _answer_counts("claude-3-7-sonnet-latest") is True and _answer_counts("claude-sonnet-4-5") is True
+    assert _answer_counts("gpt-4o") is True
+    assert known_window("gpt-4-0125-preview") == known_window("gpt-4-1106-preview") == 128_000
+    assert known_window("gpt-4-0613") == 8_192
