@@ -40,10 +40,15 @@ def provider_for(spec: JobSpec, *, api_key: str | None = None, read_key: bool = 
     return provider
 
 
+def _key_text(path: str) -> str:
+    """A key file's content, stripped; a byte order mark (Windows editors write one) is not the key's."""
+    return Path(path).read_text(encoding="utf-8-sig").strip()
+
+
 def _read_key_file(path: str) -> str | None:
     """The stripped content of ``[provider] api_key_file`` (None: missing, unreadable or empty)."""
     try:
-        key = Path(path).read_text(encoding="utf-8").strip()
+        key = _key_text(path)
     except (OSError, UnicodeDecodeError):
         return None
     register_secret(key or None)
@@ -52,7 +57,7 @@ def _read_key_file(path: str) -> str | None:
 
 def _key_file_problem(path: str) -> str | None:
     try:
-        key = Path(path).read_text(encoding="utf-8").strip()
+        key = _key_text(path)
     except FileNotFoundError:
         return "does not exist"
     except IsADirectoryError:
@@ -61,7 +66,17 @@ def _key_file_problem(path: str) -> str | None:
         return "cannot be read (permission denied)"
     except (OSError, UnicodeDecodeError) as exc:
         return f"cannot be read ({exc.__class__.__name__})"
-    return None if key else "is empty"
+    if not key:
+        return "is empty"
+    if not (key.isascii() and key.isprintable()):  # a header value: one line of printable ASCII
+        return "does not hold one line of printable ASCII (a key is one line)"
+    return None
+
+
+def _looks_like_a_key(value: str) -> bool:
+    """An ``api_key_file`` value that is a pasted key, not a path (it must not be printed)."""
+    name = Path(value).name
+    return "/" not in value and name.startswith(("sk-", "sk_", "sk-ant-")) and len(name) > 20
 
 
 def missing_api_key(spec: JobSpec, *, job_id: int | None = None) -> SpecError | None:
@@ -73,6 +88,11 @@ def missing_api_key(spec: JobSpec, *, job_id: int | None = None) -> SpecError | 
         if problem is None:
             return None
         whose = f" that job {job_id} reads" if job_id is not None else ""
+        if problem == "does not exist" and _looks_like_a_key(Path(spec.provider.api_key_file).name):
+            return SpecError(
+                f"[provider] api_key_file{whose} holds what looks like a key, not a file's path; nothing was "
+                "sent: write the key into a file and give its path (the value is not printed)"
+            )
         return SpecError(
             f"the API key file {spec.provider.api_key_file}{whose} {problem}; nothing was sent: "
             "write the key into it (one line) and run the same command again"

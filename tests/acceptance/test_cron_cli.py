@@ -95,6 +95,27 @@ def test_api_key_file_missing_empty_or_both_exits_2_before_sending(tmp_path: Pat
         assert proc.returncode == 2 and "api_key_file and api_key_env" in proc.stderr, proc.stderr
 
 
+def test_a_key_file_from_a_windows_editor_works_and_a_pasted_key_is_never_printed(tmp_path: Path) -> None:
+    with FakeProviderServer(Faults(seed=3), api_key=KEY) as server:
+        spec, records = key_file_spec(tmp_path, server), write_records(tmp_path, 3)
+        (tmp_path / "openai.key").write_bytes(b"\xef\xbb\xbf" + KEY.encode() + b"\r\n")  # BOM and CRLF
+        proc = run_without_key(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(tmp_path / "l.db"))
+        assert proc.returncode == 0, proc.stderr
+        assert len(server.log) == 3
+
+        (tmp_path / "two.key").write_text(KEY + "\nsecond line\n")
+        two = key_file_spec(tmp_path, server, 'api_key_file = "two.key"')
+        split = run_without_key(tmp_path, "check", str(two), "--input", str(records))
+        assert split.returncode == 2 and "does not hold one line of printable ASCII" in split.stderr, split.stderr
+        assert "Traceback" not in split.stderr and KEY not in split.stderr
+
+        pasted = key_file_spec(tmp_path, server, 'api_key_file = "sk-proj-ABCDEF0123456789secret"')
+        refused = run_without_key(tmp_path, "check", str(pasted), "--input", str(records))
+        assert refused.returncode == 2 and "looks like a key, not a file's path" in refused.stderr, refused.stderr
+        assert "ABCDEF0123456789secret" not in refused.stderr
+        assert len(server.log) == 3
+
+
 @pytest.mark.parametrize("raw", ["~/k/openai.key", "keys/openai.key"])
 def test_api_key_file_is_resolved_home_or_spec_relative(tmp_path: Path, raw: str) -> None:
     from batchrun.spec import load_spec
