@@ -67,7 +67,12 @@ def snapshot(runner: JobRunner, todo: int, before: int = 0) -> dict[str, Any]:
 
 
 def _eta(snap: dict[str, Any]) -> str:
-    return time.strftime("%H:%M:%S", time.gmtime(snap["eta_s"])) if snap["eta_s"] is not None else "-"
+    """The ETA as H:MM:SS, hours unbounded (a day and more is 25:00:00, not 01:00:00)."""
+    if snap["eta_s"] is None:
+        return "-"
+    minutes, seconds = divmod(int(snap["eta_s"]), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours:02d}:{minutes:02d}:{seconds:02d}"
 
 
 def _done_before(runner: JobRunner) -> int:
