@@ -32,7 +32,7 @@ from batchrun.ledger.basics import (
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
 from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
-from batchrun.states import ALL_STATES, OPEN_STATES, USER_RETRYABLE_STATES, ExitCode, StopReason
+from batchrun.states import ALL_STATES, USER_RETRYABLE_STATES, ExitCode, StopReason
 from batchrun.tabular import INPUT_FORMATS
 
 if TYPE_CHECKING:
@@ -727,6 +727,7 @@ def compare(job_a: int, job_b: int, as_json: bool, examples: int, db: str | None
 @handle_errors
 def list_jobs(as_json: bool, db: str | None) -> None:
     """The jobs in the ledger with their counts."""
+    from batchrun.listing import LIST_HEADER, list_line
     from batchrun.listing import list_jobs as listed_jobs
 
     with _open(db, existing=True) as ledger:
@@ -736,12 +737,10 @@ def list_jobs(as_json: bool, db: str | None) -> None:
         return
     if not listed:
         click.echo("no jobs")
+        return
+    click.echo(LIST_HEADER)
     for job in listed:
-        c = job.counts
-        click.echo(
-            f"{job.job_id:>5}  {job.total:>8} items  succeeded {c['succeeded']}  pending {sum(c[s] for s in OPEN_STATES)}"
-            f"  failed {c['failed'] + c['invalid_output']}  rejected {c['rejected']}  {job.name or job.input_path}"
-        )
+        click.echo(list_line(job))
 
 
 @main.command(name="export")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchrun.ledger import Ledger
+from batchrun.states import OPEN_STATES
 
 
 @dataclass(frozen=True)
@@ -16,17 +17,52 @@ class JobListing:
     name: str | None
     input_path: str
     counts: dict[str, int]
+    created_at: float = 0.0
+    model: str | None = None
+    ingest_done: bool = True
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
+    @property
+    def state(self) -> str:
+        """The job as a whole: ``ingesting``, ``work left``, ``cancelled``, ``some failed`` or ``done``."""
+        c = self.counts
+        if not self.ingest_done:
+            return "ingesting"
+        if sum(c.get(state, 0) for state in OPEN_STATES):
+            return "work left"
+        if c.get("cancelled", 0):
+            return "cancelled"
+        if c.get("failed", 0) + c.get("invalid_output", 0) + c.get("rejected", 0):
+            return "some failed"
+        return "done"
+
     def to_json(self) -> dict[str, Any]:
-        """One element of the ``list --json`` array: ``job_id``, ``name``, ``input``, ``total``, ``counts``."""
-        return {"job_id": self.job_id, "name": self.name, "input": self.input_path, "total": self.total,
-                "counts": self.counts}
+        """One element of the ``list --json`` array: ``job_id``, ``name``, ``created_at``, ``model``,
+        ``input``, ``state``, ``total``, ``counts``."""
+        return {"job_id": self.job_id, "name": self.name, "created_at": self.created_at, "model": self.model,
+                "input": self.input_path, "state": self.state, "total": self.total, "counts": self.counts}
 
 
 def list_jobs(ledger: Ledger) -> list[JobListing]:
     """Every job of the ledger, oldest first."""
-    return [JobListing(job.id, job.name, job.input_path, counts) for job, counts in ledger.list_jobs()]
+    return [JobListing(job.id, job.name, job.input_path, counts, job.created_at, job.spec.provider.model,
+                       job.ingest_done) for job, counts in ledger.list_jobs()]
+
+
+_ROW = "{:>5}  {:<16}  {:<21}  {:<11}  {:>8}  {:>9}  {:>7}  {:>7}  {:>8}  {}"
+LIST_HEADER = _ROW.format("ID", "CREATED", "MODEL", "STATE", "ITEMS", "SUCCEEDED", "PENDING", "FAILED", "REJECTED",
+                          "NAME/INPUT")
+
+
+def list_line(job: JobListing) -> str:
+    """One row of ``batchrun list`` under :data:`LIST_HEADER`."""
+    import time
+
+    c = job.counts
+    created = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.created_at)) if job.created_at else "-"
+    return _ROW.format(job.job_id, created, (job.model or "-")[:21], job.state, job.total, c["succeeded"],
+                       sum(c[s] for s in OPEN_STATES), c["failed"] + c["invalid_output"], c["rejected"],
+                       job.name or job.input_path)

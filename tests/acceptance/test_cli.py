@@ -498,3 +498,19 @@ def test_log_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path, server:
                    "--log-file", str(tmp_path / "no" / "such" / "dir.jsonl"))
     assert proc.returncode == 2 and "--log-file" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "l.db").exists() and server.log == []  # refused before anything was done
+
+
+def test_list_has_a_header_with_created_time_model_input_and_state(tmp_path: Path, server: FakeProviderServer) -> None:
+    spec, db = write_spec(tmp_path, server), tmp_path / "l.db"
+    records = write_records(tmp_path, 3)
+    assert run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db)).returncode == 0
+    assert run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--new",
+                   "--no-run").returncode == 0
+    header, first, second = run_cli(tmp_path, "list", "--db", str(db)).stdout.splitlines()
+    assert header.split()[:4] == ["ID", "CREATED", "MODEL", "STATE"] and "NAME/INPUT" in header
+    assert first.split()[:6] == ["1", time.strftime("%Y-%m-%d"), first.split()[2], "m", "done", "3"]
+    assert second.split()[3:6] == ["m", "work", "left"]
+    listed = orjson.loads(run_cli(tmp_path, "list", "--db", str(db), "--json").stdout)
+    assert [(j["model"], j["state"], j["input"]) for j in listed] == [("m", "done", str(records)),
+                                                                      ("m", "work left", str(records))]
+    assert all(abs(j["created_at"] - time.time()) < 600 for j in listed)
