@@ -658,7 +658,7 @@ def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str
 @main.command(short_help="A job's full report (--html: a page with charts).")
 @click.argument("job", type=int)
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False), metavar="FILE",
-              help="Also write one self-contained HTML page (no external assets) with charts.")
+              help="Write one self-contained HTML page (no external assets) with charts instead of the text report.")
 @click.option("--force", is_flag=True, help="Replace an existing --html file that is not a batchrun report.")
 @db_option
 @handle_errors
@@ -667,8 +667,8 @@ def report(job: int, html_path: str | None, force: bool, db: str | None) -> None
     tokens, cost, errors by class and by HTTP status with an example message, and items
     by number of requests.
 
-    With --html FILE, also one page that opens in any browser: a latency
-    histogram, throughput over time and the same tables.
+    With --html FILE, instead one page that opens in any browser: a latency
+    histogram, throughput over time and the same tables (stdout: its path).
 
     \b
     Examples:
@@ -682,10 +682,10 @@ def report(job: int, html_path: str | None, force: bool, db: str | None) -> None
 
     with _open(db, existing=True) as ledger:
         data = job_report(ledger, job)
-    written = write_html_report(html_path, render_html(data), force=force) if html_path else None
+    if html_path:  # the page instead of the text report
+        click.echo(f"html: {write_html_report(html_path, render_html(data), force=force)}")
+        return
     render_report(data, Console(highlight=False))
-    if written:
-        click.echo(f"html: {written}")
 
 
 @main.command(short_help="Two jobs side by side; how many outputs differ.")

@@ -120,6 +120,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "run": run,
         "errors": {str(g.key): g.items for g in by_class if g.items},
         "attempt_errors": {str(g.key): g.attempts for g in by_class if g.attempts},
+        "retried": {str(g.key): g.retried for g in by_class if g.retried},
         "errors_by_class": _groups(by_class),
         "errors_by_status": _groups(queries.errors_by_status(job_id)),
         "attempts_histogram": histogram,
@@ -403,8 +404,8 @@ def status_lines(data: dict[str, Any]) -> list[str]:
     ]
     if data["errors"]:
         lines.append("  errors    " + "  ".join(f"{k} {v}" for k, v in data["errors"].items()))
-    if data["attempt_errors"]:
-        lines.append("  retried   " + "  ".join(f"{k} {v}" for k, v in data["attempt_errors"].items()))
+    if data["retried"]:  # failed attempts sent again: a class failed on its only attempt is not "retried"
+        lines.append("  retried   " + "  ".join(f"{k} {v}" for k, v in data["retried"].items()))
     if data["errors_by_status"]:
         lines.append(
             "  statuses  "

@@ -95,6 +95,7 @@ class ErrorGroup:
     attempts: int
     items: int
     example: str | None
+    retried: int = 0  # failed attempts that were sent again (not an item's last)
 
 
 @dataclass(frozen=True)
@@ -335,17 +336,20 @@ class LedgerQueries:
                     .group_by(a.error_class)
                 ).all()
             )
-            by_item: dict[Any, int] = dict(
-                conn.execute(
-                    select(i.error_class, func.count())
-                    .where(
-                        i.job_id == job_id,
-                        i.state.in_([ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED]),
-                        i.error_class.is_not(None),
-                    )
-                    .group_by(i.error_class)
-                ).all()
-            )
+            by_item: dict[Any, int] = {}
+            ended_after_a_request: dict[Any, int] = {}  # failed or invalid: their last attempt was not retried
+            for key, state, n in conn.execute(
+                select(i.error_class, i.state, func.count())
+                .where(
+                    i.job_id == job_id,
+                    i.state.in_([ItemState.FAILED, ItemState.INVALID_OUTPUT, ItemState.REJECTED]),
+                    i.error_class.is_not(None),
+                )
+                .group_by(i.error_class, i.state)
+            ).all():
+                by_item[key] = by_item.get(key, 0) + n
+                if state != ItemState.REJECTED:
+                    ended_after_a_request[key] = ended_after_a_request.get(key, 0) + n
             examples: dict[Any, str] = dict(
                 conn.execute(
                     select(i.error_class, func.max(i.error_message))
@@ -355,14 +359,16 @@ class LedgerQueries:
             )
         return sorted(
             (
-                ErrorGroup(str(key), int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key))
+                ErrorGroup(str(key), int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key),
+                           max(0, int(by_attempt.get(key, 0)) - int(ended_after_a_request.get(key, 0))))
                 for key in set(by_attempt) | set(by_item)
             ),
             key=lambda g: (-(g.attempts + g.items), str(g.key)),
         )
 
     def errors_by_status(self, job_id: int) -> list[ErrorGroup]:
-        """Per HTTP status (None: no response, e.g. a timeout or reset): failed attempts, failed items, one message."""
+        """Per HTTP error status (None: no response, e.g. a timeout or reset): failed attempts, failed items,
+        one message. A 2xx is no error status: its failures (invalid output, a truncated answer) are classes."""
         i, a = items_t.c, attempts_t.c
         with self.engine.connect() as conn:
             by_attempt: dict[Any, int] = dict(
@@ -393,6 +399,7 @@ class LedgerQueries:
             (
                 ErrorGroup(key, int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key))
                 for key in set(by_attempt) | set(by_item)
+                if not (isinstance(key, int) and 200 <= key < 300)  # an answer that did not validate: no error status
             ),
             key=lambda g: (-(g.attempts + g.items), g.key if isinstance(g.key, int) else 0),
         )

@@ -146,12 +146,13 @@ def test_status_json_agrees_with_the_server_log(
     assert data["cost_per_1k_items"] == pytest.approx(expected_cost / 240 * 1000, abs=1e-6)
     assert data["error_rate"] == 0.0
 
-    by_status = Counter("none" if r.status is None else str(r.status) for r in failed)
+    by_status = Counter("none" if r.status is None else str(r.status) for r in failed if not 200 <= (r.status or 0) < 300)
     assert {k: v["attempts"] for k, v in data["errors_by_status"].items()} == dict(by_status)
     assert {v["items"] for v in data["errors_by_status"].values()} == {0}
     by_class = Counter(CLASS_OF[r.outcome] for r in failed)
     assert {k: v["attempts"] for k, v in data["errors_by_class"].items()} == dict(by_class)
     assert data["attempt_errors"] == dict(by_class) and data["errors"] == {}
+    assert data["retried"] == dict(by_class)  # every item succeeded in the end: each failed attempt was sent again
 
     per_key = Counter(server.requests_by_key().values())
     assert data["attempts_histogram"] == {"0": 0} | {str(n): per_key[n] for n in sorted(per_key)}
@@ -204,11 +205,15 @@ def test_failed_items_by_status_and_class_with_an_example(
     assert "HTTP 400" in data["errors_by_status"]["400"]["example"]
     assert data["attempts_histogram"] == {"0": 1, "1": 6}
     assert data["latency_ms"]["count"] == 0 and data["latency_ms"]["p50"] is None
+    assert data["retried"] == {}  # each failed on its only request: nothing was retried
 
-    page = tmp_path / "failed.html"
-    text = cli("report", str(job_id), "--db", db_url, "--html", str(page)).stdout
+    text = cli("report", str(job_id), "--db", db_url).stdout
     assert "Errors by class" in text and "context_length" in text and "HTTP 400" in text
     assert "Errors by HTTP status" in text and "not valid JSON" in text
+    assert "retried" not in text
+    page = tmp_path / "failed.html"
+    written = cli("report", str(job_id), "--db", db_url, "--html", str(page)).stdout
+    assert written == f"html: {page}\n"  # the page, not the text report too
     html = page.read_text()
     assert "<svg" not in html and "No clean answer yet." in html and "No item has succeeded yet." in html
     assert "HTTP 400" in html and "invalid_json" in html
@@ -311,9 +316,7 @@ def test_report_html_is_one_self_contained_page_with_the_charts(
     assert run(ledger, job_id).exit_code == ExitCode.OK
     page_path = tmp_path / "report.html"
     result = cli("report", str(job_id), "--db", db_url, "--html", str(page_path))
-    assert f"html: {page_path}" in result.stdout
-    for heading in ("Timing", "Errors by class", "Errors by HTTP status", "Requests per item"):
-        assert heading in result.stdout
+    assert result.stdout == f"html: {page_path}\n"  # the page instead of the text report
 
     page = page_path.read_text()
     assert page.startswith("<!DOCTYPE html>")
@@ -572,3 +575,15 @@ def test_status_reports_time_to_first_token_of_a_streamed_job(
     assert ttft["p99"] <= total["p99"] and ttft["max"] <= total["max"]  # each first token came before its answer ended
     # the rest of the answer came in chunks, the next one 30 ms after the first token
     assert total["p50"] >= ttft["p50"] + 25
+
+
+def test_an_answer_that_came_with_200_is_no_error_status(
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.faults = Faults(seed=5, p_bad_body=0.3, p_500=0.1)  # 200s whose body is not JSON, and 500s
+    job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(60)))
+    assert run(ledger, job_id).exit_code == ExitCode.OK
+    assert any(r.outcome == "bad_body" for r in server.log) and any(r.outcome == "500" for r in server.log)
+    data = status_json(db_url, job_id)
+    assert "200" not in data["errors_by_status"] and "500" in data["errors_by_status"]
+    assert "200" not in cli("report", str(job_id), "--db", db_url).stdout.split("Errors by HTTP status")[-1]
