@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
+from batchrun.listing import job_state
 from batchrun.report import (
     HTML_GENERATOR,
     MEASURES,
@@ -206,7 +207,11 @@ def render_html(data: dict[str, Any]) -> str:
     e = escape
     title = f"Job {data['job_id']}" + (f" ({data['name']})" if data["name"] else "")
     counts, lat = data["counts"], data["latency_ms"]
+    state = job_state(counts)
+    if state == "cancelled":
+        state = f"cancelled ({counts['cancelled']:,})"
     cards = [
+        (state, "job"),
         (f"{counts['succeeded']:,} / {data['total']:,}", "succeeded / items"),
         (fmt_pct(data["error_rate"]), "error rate (failed or invalid)"),
         (fmt_ms(lat["p50"]), "latency p50"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,23 +28,27 @@ class JobListing:
 
     @property
     def state(self) -> str:
-        """The job as a whole: ``ingesting``, ``work left``, ``cancelled``, ``some failed`` or ``done``."""
-        c = self.counts
-        if not self.ingest_done:
-            return "ingesting"
-        if sum(c.get(state, 0) for state in OPEN_STATES):
-            return "work left"
-        if c.get("cancelled", 0):
-            return "cancelled"
-        if c.get("failed", 0) + c.get("invalid_output", 0) + c.get("rejected", 0):
-            return "some failed"
-        return "done"
+        """The job as a whole (:func:`job_state`)."""
+        return job_state(self.counts, self.ingest_done)
 
     def to_json(self) -> dict[str, Any]:
         """One element of the ``list --json`` array: ``job_id``, ``name``, ``created_at``, ``model``,
         ``input``, ``state``, ``total``, ``counts``."""
         return {"job_id": self.job_id, "name": self.name, "created_at": self.created_at, "model": self.model,
                 "input": self.input_path, "state": self.state, "total": self.total, "counts": self.counts}
+
+
+def job_state(counts: Mapping[str, int], ingest_done: bool = True) -> str:
+    """A job as a whole, from its counts: ``ingesting``, ``work left``, ``cancelled``, ``some failed`` or ``done``."""
+    if not ingest_done:
+        return "ingesting"
+    if sum(counts.get(state, 0) for state in OPEN_STATES):
+        return "work left"
+    if counts.get("cancelled", 0):
+        return "cancelled"
+    if counts.get("failed", 0) + counts.get("invalid_output", 0) + counts.get("rejected", 0):
+        return "some failed"
+    return "done"
 
 
 def list_jobs(ledger: Ledger) -> list[JobListing]:

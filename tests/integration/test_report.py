@@ -587,3 +587,14 @@ def test_an_answer_that_came_with_200_is_no_error_status(
     data = status_json(db_url, job_id)
     assert "200" not in data["errors_by_status"] and "500" in data["errors_by_status"]
     assert "200" not in cli("report", str(job_id), "--db", db_url).stdout.split("Errors by HTTP status")[-1]
+
+
+def test_a_cancelled_jobs_cards_say_cancelled(
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(12)))
+    assert cli("cancel", str(job_id), "--db", db_url).exit_code == 0
+    page = tmp_path / "cancelled.html"
+    cli("report", str(job_id), "--db", db_url, "--html", str(page))
+    cards = page.read_text().split("<h2>")[0]
+    assert "cancelled (12)" in cards and "done" not in cards
