@@ -5,6 +5,7 @@ is a ``failed`` item of class ``context_length`` that fails that item alone."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import orjson
@@ -98,13 +99,8 @@ def test_a_providers_context_length_400_fails_only_its_items_and_never_stops_the
     the long prompts (each a context_length failure after one request), the rest succeed."""
     server.refusals = Refusals(over_context="long long")
     spec, _ = write_job(tmp_path, server, model="m")
-    records = tmp_path / "first.jsonl"
-    records.write_bytes(b"".join(
-        orjson.dumps({"id": f"r{i}", "text": ("long " * 50 if i < 5 else "") + f"hello {i}"}) + b"\n"
-        for i in range(30)
-    ))
     db = tmp_path / "l.db"
-    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db))
+    proc = submit_long_first(tmp_path, spec, db, 5)
     assert proc.returncode == 1, proc.stderr  # failed items, not a job-wide refusal (exit 3)
     status = orjson.loads(run_cli(tmp_path, "status", "1", "--json", "--db", str(db)).stdout)
     assert status["counts"]["failed"] == 5 and status["counts"]["succeeded"] == 25
@@ -112,6 +108,16 @@ def test_a_providers_context_length_400_fails_only_its_items_and_never_stops_the
     assert status["errors"] == {"context_length": 5}  # not client_error
     assert "maximum context length" in status["errors_by_class"]["context_length"]["example"]
     assert "context_length" in run_cli(tmp_path, "report", "1", "--db", str(db)).stdout
+
+
+def submit_long_first(tmp_path: Path, spec: Path, db: Path, long: int) -> subprocess.CompletedProcess[str]:
+    """``submit`` of 30 records whose first ``long`` are the long prompts the server refuses."""
+    records = tmp_path / "first.jsonl"
+    records.write_bytes(b"".join(
+        orjson.dumps({"id": f"r{i}", "text": ("long " * 50 if i < long else "") + f"hello {i}"}) + b"\n"
+        for i in range(30)
+    ))
+    return run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db))
 
 
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])
@@ -122,13 +128,8 @@ def test_context_length_400s_that_read_alike_are_still_the_items_own(
     left pending) but failures of those items alone, and the rest of the job goes on."""
     server.refusals = Refusals(over_context="long long", over_context_count=250_000)
     spec, _ = write_job(tmp_path, server, model="m", kind=kind)
-    records = tmp_path / "first.jsonl"
-    records.write_bytes(b"".join(
-        orjson.dumps({"id": f"r{i}", "text": ("long " * 50 if i < 8 else "") + f"hello {i}"}) + b"\n"
-        for i in range(30)
-    ))
     db = tmp_path / "l.db"
-    proc = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db))
+    proc = submit_long_first(tmp_path, spec, db, 8)
     assert proc.returncode == 1, proc.stderr
     status = orjson.loads(run_cli(tmp_path, "status", "1", "--json", "--db", str(db)).stdout)
     assert status["counts"]["failed"] == 8 and status["counts"]["succeeded"] == 22
