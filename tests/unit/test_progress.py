@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from batchrun.progress import _eta
+import asyncio
+import contextlib
+import io
+import re
+
+import pytest
+
+from batchrun.progress import _eta, show_progress
+from batchrun.testing.ledger import InMemoryLedger
+
+from .test_scheduler import FakeChat, add_job, answer_after, make_spec, runner
 
 
 def test_the_eta_counts_hours_past_a_day() -> None:
@@ -10,3 +20,38 @@ def test_the_eta_counts_hours_past_a_day() -> None:
     assert _eta({"eta_s": 65.4}) == "00:01:05"
     assert _eta({"eta_s": 90_000}) == "25:00:00"  # not 01:00:00
     assert _eta({"eta_s": 3 * 86_400 + 5}) == "72:00:05"
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal: the live bar is drawn into it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_live_bar_fits_80_columns_and_keeps_done_total_rate_and_eta(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    ledger = InMemoryLedger()
+    job_id = add_job(ledger, make_spec(concurrency=4), 120)
+    api = FakeChat(lambda body, asked: answer_after(0.02))
+    job_runner = runner(ledger, job_id, api)
+    screen = _Terminal()
+
+    async def work() -> None:
+        shown = asyncio.ensure_future(show_progress(job_runner, 120, stream=screen, interval=60))
+        try:
+            await job_runner.run()
+            await asyncio.sleep(0.3)  # a frame after the last answer
+        finally:
+            shown.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await shown
+
+    asyncio.run(work())
+    frames = [f for f in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())) if f.strip()]
+    assert len(frames) >= 3, frames
+    assert all(len(f.rstrip()) <= 80 for f in frames), [f for f in frames if len(f.rstrip()) > 80]
+    last = frames[-1]
+    assert re.search(r"job \d+ +120/120 +\d+\.\d/s +eta ", last), last  # the most important fields first, whole
+    assert any("in flight" in f or "…" in f for f in frames)  # the detail is there, cut from its end when short of room
