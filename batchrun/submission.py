@@ -34,7 +34,7 @@ from typing import Any
 
 from batchrun import interrupt
 from batchrun.batch import BatchOptions, BatchRunner
-from batchrun.errors import BatchrunError, ExportWriteError, StoppedError, UsageError
+from batchrun.errors import BatchrunError, ExportError, ExportWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
 from batchrun.export import (
     ExportResult,
@@ -145,8 +145,16 @@ class _Target:
         if target.output:
             check_format(target.format)
         for path in (target.output, target.errors):
-            if path:
+            if not path:
+                continue
+            try:
                 check_target(ledger, job_id, Path(path).absolute(), force=target.force)
+            except ExportError as exc:
+                flag = "--output" if path == target.output else "--errors"
+                if target is self or (flag == "--errors" and self.errors is not None):
+                    raise  # given now, not remembered
+                raise ExportError(f"{exc} (where job {job_id} was exported before, remembered as its {flag}); nothing "
+                                  f"was sent: make the folder again, or give {flag} FILE") from None
         if self.output is not None:
             errors = str(Path(self.errors).absolute()) if self.errors else None
             ledger.set_export_target(job_id, str(Path(self.output).absolute()), self.format, errors)

@@ -89,6 +89,23 @@ def test_an_explicit_output_wins_and_becomes_the_remembered_one(tmp_path: Path, 
     assert len(server.log) == 5
 
 
+def test_a_remembered_output_whose_folder_is_gone_says_what_to_do(tmp_path: Path, server: FakeProviderServer) -> None:
+    spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 5), tmp_path / "l.db"
+    out = tmp_path / "out" / "a.jsonl"
+    out.parent.mkdir()
+    assert run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--output", str(out)).returncode == 0
+    out.unlink()
+    out.parent.rmdir()
+    gone = run_cli(tmp_path, "resume", "1", "--db", str(db))
+    assert gone.returncode == 2 and "Traceback" not in gone.stderr
+    assert f"folder {out.parent} does not exist (where job 1 was exported before, remembered as its --output)" in gone.stderr
+    assert "make the folder again, or give --output FILE" in gone.stderr
+    elsewhere = tmp_path / "b.jsonl"
+    moved = run_cli(tmp_path, "resume", "1", "--db", str(db), "--output", str(elsewhere))
+    assert moved.returncode == 0 and len(elsewhere.read_text().splitlines()) == 5
+    assert len(server.log) == 5
+
+
 def test_budget_retry_and_lock_hints_name_the_ledger(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 200), tmp_path / "l.db"
     server.faults = Faults(status_override=500)
