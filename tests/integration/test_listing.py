@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,8 +22,10 @@ def test_every_job_with_its_counts(ledger: Ledger, write_jsonl: Callable[..., Pa
     second = prepare_job(ledger, spec, write_jsonl([line], "two.jsonl")).job_id
     listed = list_jobs(ledger)
     assert [job.job_id for job in listed] == [first, second] and listed[0].input_path.endswith("one.jsonl")
+    created = listed[0].to_json().pop("created_at")
+    assert abs(created - time.time()) < 600
     assert listed[0].to_json() == {
-        "job_id": first, "name": None, "input": listed[0].input_path,
-        "total": 2, "counts": {**no_counts(), ItemState.PENDING: 1, ItemState.REJECTED: 1},
+        "job_id": first, "name": None, "created_at": created, "model": None, "input": listed[0].input_path,
+        "state": "work left", "total": 2, "counts": {**no_counts(), ItemState.PENDING: 1, ItemState.REJECTED: 1},
     }
     assert listed[1].input_path.endswith("two.jsonl") and listed[1].total == 1
