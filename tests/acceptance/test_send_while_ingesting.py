@@ -112,7 +112,9 @@ def test_sigkill_while_ingesting_and_sending_then_resume(tmp_path: Path, padded_
     proc, db, out = start_submit(tmp_path, padded_server, n)
     try:
         succeeded = "select count(*) from items where state = 'succeeded'"
-        wait_until("50 answers committed", lambda: query(db, succeeded)[0][0] >= 50)
+        # The first committed answers, not many: on a quiet machine the input is all read soon after
+        # (50 answers came after the whole input once).
+        wait_until("the first answers committed", lambda: query(db, succeeded)[0][0] >= 1, timeout=60)
         proc.send_signal(signal.SIGKILL)
         killed_at = time.time()
         proc.wait(timeout=10)
