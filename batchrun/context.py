@@ -7,12 +7,13 @@ nothing when it sets none) is at most the window. The window is
 known window of the model (:data:`KNOWN_WINDOWS`, matched by the longest
 prefix), else there is no guard (an unknown model, a local server's).
 
-The prompt is estimated as :mod:`batchrun.tokens` does for the rate limiter:
-tiktoken's count for OpenAI models when it is installed and has the table,
-else ``BYTES_PER_TOKEN`` bytes of request JSON per token. Ingest reads hundreds of
-thousands of lines a second, so the byte estimate decides alone while it is at most
-half the room; only a prompt near the limit is counted (``TokenCounter.wait_for``
-loads the table once, waiting at most ``TIKTOKEN_WAIT_S``).
+Ingest reads hundreds of thousands of lines a second, so the byte estimate
+(``BYTES_PER_TOKEN`` bytes of request JSON a token) lets a prompt through alone
+while it is at most half the room. A prompt near the limit is counted as
+:mod:`batchrun.tokens` counts for the rate limiter: tiktoken's count for OpenAI
+models when it is installed and has the table (``TokenCounter.wait_for`` loads it
+once, waiting at most ``tokens.TABLE_WAIT_SECONDS``); without a count it is
+rejected only when it cannot fit even at ``LEAST_BYTES_PER_TOKEN``.
 
 A prompt over the window is a ``rejected`` item (error class ``context_length``)
 with its size and the window in the reason. When only the provider can tell (an
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from batchrun.providers.base import Provider
 
 CONTEXT_LENGTH = "context_length"  # the error class of a prompt too long for its model
-TIKTOKEN_WAIT_S = 5.0
 ANSWER_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 # How providers say a prompt is over the window, in a 400: OpenAI's code and message, Anthropic's
 # invalid_request_error messages ("prompt is too long: 210000 tokens > 200000 maximum", "input
@@ -87,7 +87,7 @@ def known_window(model: str | None) -> int | None:
     """The context window of ``model`` by its longest known prefix; None for a model not in the table."""
     if not model:
         return None
-    name = model.rsplit("/", 1)[-1].lower()  # "openai/gpt-4o" as gateways spell it
+    name = _model_name(model)
     for prefix, window in _BY_LENGTH:
         if name.startswith(prefix):
             return window
@@ -124,15 +124,19 @@ class ContextGuard:
         self.provider = provider
         self.model = model  # the spec's model, which every body carries; None: each body's own
         self.max_input_tokens = max_input_tokens
-        self._windows: dict[str | None, int | None] = {}
+        self._rules: dict[str | None, tuple[int | None, bool]] = {}
 
     def window(self, model: str | None) -> int | None:
         """The window requests for ``model`` must fit in; None: no guard."""
-        if self.max_input_tokens is not None:
-            return self.max_input_tokens or None
-        if model not in self._windows:  # a lookup per model, not per line: ingest's hot path
-            self._windows[model] = known_window(model)
-        return self._windows[model]
+        return self._rule(model)[0]
+
+    def _rule(self, model: str | None) -> tuple[int | None, bool]:
+        """``model``'s window and whether its answer counts against it, looked up once per model
+        (not per line: ingest's hot path)."""
+        if model not in self._rules:
+            window = (self.max_input_tokens or None) if self.max_input_tokens is not None else known_window(model)
+            self._rules[model] = (window, _answer_counts(model))
+        return self._rules[model]
 
     def misfit(self, url: str | None, body: Mapping[str, Any], size: int, text: str) -> Fit | None:
         """None if a request fits (or there is no guard); else why not.
@@ -141,15 +145,15 @@ class ContextGuard:
         """
         model = self.model or body.get("model")
         model = model if isinstance(model, str) else None
-        window = self.window(model)
+        window, answer_counts = self._rule(model)
         if window is None:
             return None
         estimate = size // tokens.BYTES_PER_TOKEN
-        answer = answer_limit(body) if _answer_counts(model) else 0
+        answer = answer_limit(body) if answer_counts else 0
         if 2 * estimate + answer <= window:  # far from the limit: tiktoken would not change the answer
             return None
         if model is not None:
-            tokens.COUNTER.wait_for(model, timeout=TIKTOKEN_WAIT_S)
+            tokens.COUNTER.wait_for(model, timeout=tokens.TABLE_WAIT_SECONDS)
         counted = self.provider.estimate_tokens(self.provider.prepare(url, text))
         prompt = counted.prompt
         if not counted.counted:
@@ -166,8 +170,13 @@ class ContextGuard:
 def _answer_counts(model: str | None) -> bool:
     """Whether the answer's ``max_tokens`` counts against the window: Claude 3 models before 3.7
     shorten the answer to fit instead of refusing the request."""
-    name = (model or "").rsplit("/", 1)[-1].lower()
+    name = _model_name(model or "")
     return not (name.startswith("claude-3-") and not name.startswith("claude-3-7"))
+
+
+def _model_name(model: str) -> str:
+    """A model's own name, as the tables spell it: "openai/GPT-4o" (a gateway's) is "gpt-4o"."""
+    return model.rsplit("/", 1)[-1].lower()
 
 
 def _inline_data_bytes(body: object) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,8 +65,6 @@ LIST_HEADER = _ROW.format("ID", "CREATED", "MODEL", "STATE", "ITEMS", "SUCCEEDED
 
 def list_line(job: JobListing) -> str:
     """One row of ``batchrun list`` under :data:`LIST_HEADER`."""
-    import time
-
     c = job.counts
     created = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.created_at)) if job.created_at else "-"
     return _ROW.format(job.job_id, created, (job.model or "-")[:21], job.state, job.total, c["succeeded"],

@@ -153,8 +153,11 @@ class _Target:
                 flag = "--output" if path == target.output else "--errors"
                 if target is self or (flag == "--errors" and self.errors is not None):
                     raise  # given now, not remembered
+                fix = f"give {flag} FILE"
+                if not Path(path).absolute().parent.is_dir():
+                    fix = f"make the folder again, or {fix}"
                 raise ExportError(f"{exc} (where job {job_id} was exported before, remembered as its {flag}); nothing "
-                                  f"was sent: make the folder again, or give {flag} FILE") from None
+                                  f"was sent: {fix}") from None
         if self.output is not None:
             errors = str(Path(self.errors).absolute()) if self.errors else None
             ledger.set_export_target(job_id, str(Path(self.output).absolute()), self.format, errors)

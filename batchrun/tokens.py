@@ -9,8 +9,8 @@ tiktoken fetches an encoding's table over the network the first time it is
 used and then keeps it in its cache (``TIKTOKEN_CACHE_DIR``), with no timeout
 on the fetch. So tables are loaded on a daemon thread (``TokenCounter._loading``);
 until a table is in, and if it never comes (no network), estimates use the
-heuristic and nothing waits (a dry run waits ``TABLE_WAIT_SECONDS`` for it, then says so
-in one line). ``BATCHRUN_TIKTOKEN=0`` turns tiktoken off
+heuristic and nothing waits (a dry run, and ingest for a prompt near its context window,
+waits ``TABLE_WAIT_SECONDS`` for it, then says so in one line). ``BATCHRUN_TIKTOKEN=0`` turns tiktoken off
 (the tests do, so their figures do not depend on the network).
 """
 
@@ -25,7 +25,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 BYTES_PER_TOKEN = 4
-# How long a dry run waits for a table not yet in tiktoken's cache: a fetch that works takes
+# How long a dry run (and the context guard, for a prompt near the window) waits for a table
+# not yet in tiktoken's cache: a fetch that works takes
 # about a second; a network that drops packets would hang it (tiktoken sets no timeout).
 TABLE_WAIT_SECONDS = 2.0
 TIKTOKEN_SWITCH = "BATCHRUN_TIKTOKEN"  # "0": estimate from the request size even with tiktoken installed

@@ -73,10 +73,10 @@ def _key_file_problem(path: str) -> str | None:
     return None
 
 
-def _looks_like_a_key(value: str) -> bool:
-    """An ``api_key_file`` value that is a pasted key, not a path (it must not be printed)."""
-    name = Path(value).name
-    return "/" not in value and name.startswith(("sk-", "sk_", "sk-ant-")) and len(name) > 20
+def _looks_like_a_key(path: str) -> bool:
+    """An ``api_key_file`` whose name is a pasted key, not a file's (it must not be printed)."""
+    name = Path(path).name
+    return name.startswith(("sk-", "sk_")) and len(name) > 20
 
 
 def missing_api_key(spec: JobSpec, *, job_id: int | None = None) -> SpecError | None:
@@ -88,7 +88,7 @@ def missing_api_key(spec: JobSpec, *, job_id: int | None = None) -> SpecError | 
         if problem is None:
             return None
         whose = f" that job {job_id} reads" if job_id is not None else ""
-        if problem == "does not exist" and _looks_like_a_key(Path(spec.provider.api_key_file).name):
+        if problem == "does not exist" and _looks_like_a_key(spec.provider.api_key_file):
             return SpecError(
                 f"[provider] api_key_file{whose} holds what looks like a key, not a file's path; nothing was "
                 "sent: write the key into a file and give its path (the value is not printed)"

@@ -100,6 +100,11 @@ def test_a_remembered_output_whose_folder_is_gone_says_what_to_do(tmp_path: Path
     assert gone.returncode == 2 and "Traceback" not in gone.stderr
     assert f"folder {out.parent} does not exist (where job 1 was exported before, remembered as its --output)" in gone.stderr
     assert "make the folder again, or give --output FILE" in gone.stderr
+    out.mkdir(parents=True)  # the folder is back, but the remembered file name is now a folder itself
+    blocked = run_cli(tmp_path, "resume", "1", "--db", str(db))
+    assert blocked.returncode == 2 and "remembered as its --output); nothing was sent: give --output FILE" in blocked.stderr
+    out.rmdir()
+    out.parent.rmdir()
     elsewhere = tmp_path / "b.jsonl"
     moved = run_cli(tmp_path, "resume", "1", "--db", str(db), "--output", str(elsewhere))
     assert moved.returncode == 0 and len(elsewhere.read_text().splitlines()) == 5
