@@ -320,7 +320,11 @@ class JobSpec:
         )
 
     def identity_hash(self) -> str:
-        """Hash of everything that decides what is sent (not how fast): job identity."""
+        """Hash of everything that decides what is sent (not how fast, nor where the key is read from): job identity.
+
+        A job stored under an earlier version of this hash is still found (:meth:`Ledger.find_job`
+        compares the hash of its stored spec when no stored hash matches).
+        """
         data = self.to_dict()
         data.pop("run")
         data.pop("batch")
@@ -331,6 +335,7 @@ class JobSpec:
         if data["request"]["max_input_tokens"] is None:  # unset: the hash of a job stored before the setting
             data["request"].pop("max_input_tokens")
         data["provider"].pop("api_key_file")  # where the key is read from, not what is sent
+        data["provider"].pop("api_key_env")
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     def with_overrides(self, overrides: Overrides) -> JobSpec:

@@ -259,6 +259,22 @@ def _any_nul(rows: Sequence[dict[str, Any]]) -> bool:
     )
 
 
+def _same_job(conn: Any, spec_hash: str, input_hash: str) -> int | None:
+    """The newest job with this identity hash and input content. A job whose stored hash is of an
+    earlier version (one that counted where the key is read from) is found by its stored spec's hash
+    now: the jobs of one input are few, and this runs only when no stored hash matches."""
+    found = conn.execute(_newest_job(spec_hash, input_hash)).scalar()
+    if found is not None:
+        return int(found)
+    stored = conn.execute(
+        select(jobs_t.c.id, jobs_t.c.spec_json).where(jobs_t.c.input_hash == input_hash).order_by(jobs_t.c.id.desc())
+    )
+    for job_id, spec_json in stored:
+        if JobSpec.from_dict(orjson.loads(spec_json)).identity_hash() == spec_hash:
+            return int(job_id)
+    return None
+
+
 def _newest_job(spec_hash: str, input_hash: str) -> Any:
     """The id of the newest job with this spec and input content: a job's identity."""
     return (
@@ -407,9 +423,9 @@ class Ledger:
                 key = int(hashlib.sha256(f"{spec_hash}{input_hash}".encode()).hexdigest()[:15], 16)
                 conn.execute(select(func.pg_advisory_xact_lock(key)))
             if not new:
-                found = conn.execute(_newest_job(spec_hash, input_hash)).scalar()
+                found = _same_job(conn, spec_hash, input_hash)
                 if found is not None:
-                    return int(found), False
+                    return found, False
             return self._insert_job(conn, spec, input_path, input_hash), True
 
     @staticmethod
@@ -430,9 +446,17 @@ class Ledger:
         return int(result.inserted_primary_key[0])
 
     def find_job(self, spec_hash: str, input_hash: str) -> int | None:
-        """The newest job with this spec and input content, if any."""
+        """The newest job with this spec and input content, if any (:func:`_same_job`)."""
         with self.engine.connect() as conn:
-            return conn.execute(_newest_job(spec_hash, input_hash)).scalar()
+            return _same_job(conn, spec_hash, input_hash)
+
+    def set_key_source(self, job_id: int, api_key_env: str, api_key_file: str | None) -> None:
+        """Where job ``job_id`` reads its API key from from now on (a re-submitted spec's choice)."""
+        with self._write() as conn:
+            stored = conn.execute(select(jobs_t.c.spec_json).where(jobs_t.c.id == job_id)).scalar_one()
+            data = orjson.loads(stored)
+            data.setdefault("provider", {}).update(api_key_env=api_key_env, api_key_file=api_key_file)
+            conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(spec_json=orjson.dumps(data).decode()))
 
     def get_job(self, job_id: int) -> JobRecord:
         with self.engine.connect() as conn:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -114,6 +115,30 @@ def test_a_key_file_from_a_windows_editor_works_and_a_pasted_key_is_never_printe
         assert refused.returncode == 2 and "looks like a key, not a file's path" in refused.stderr, refused.stderr
         assert "ABCDEF0123456789secret" not in refused.stderr
         assert len(server.log) == 3
+
+
+def test_moving_the_key_from_a_variable_to_a_file_carries_on_the_same_job(tmp_path: Path) -> None:
+    """Written for cron, the spec reads its key from a file now: the job stored with a variable is
+    found again (even one stored under an earlier version's hash), nothing is sent twice, and a later
+    ``resume`` reads the file too."""
+    with FakeProviderServer(Faults(seed=3), api_key=KEY) as server:
+        records, db = write_records(tmp_path, 6), tmp_path / "l.db"
+        spec = key_file_spec(tmp_path, server, 'api_key_env = "TEAM_KEY"')
+        by_variable = {**cli_env(tmp_path), "TEAM_KEY": KEY}
+        stored = subprocess.run(batchrun_cmd("submit", str(spec), "--input", str(records), "--db", str(db), "--no-run"),
+                                capture_output=True, text=True, env=by_variable, timeout=60)
+        assert stored.returncode == 0, stored.stderr
+        with sqlite3.connect(db) as conn:  # as a job stored by a version whose hash counted the variable
+            conn.execute("UPDATE jobs SET spec_hash = 'an-earlier-versions-hash'")
+        key_file_spec(tmp_path, server)  # the same spec, the key from openai.key
+        (tmp_path / "openai.key").write_text(KEY + "\n")
+        carried = run_without_key(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db))
+        assert carried.returncode == 0, carried.stderr
+        assert len(server.log) == 6  # sent with the file's key (the server refuses any other)
+        assert [job["job_id"] for job in orjson.loads(run_cli(tmp_path, "list", "--json", "--db", str(db)).stdout)] == [1]
+        again = run_without_key(tmp_path, "resume", "1", "--db", str(db))
+        assert again.returncode == 0, again.stderr  # no TEAM_KEY here: the job reads the file now
+        assert "TEAM_KEY" not in again.stderr and len(server.log) == 6
 
 
 @pytest.mark.parametrize("raw", ["~/k/openai.key", "keys/openai.key"])
