@@ -929,8 +929,10 @@ def cancel(job: int, db: str | None) -> None:
     """Cancel JOB's pending and running items (finished ones are kept); nothing more is sent for them.
 
     A run working the job right now (submit, resume or a worker, on any
-    machine) notices within a couple of seconds and stops sending; answers
+    machine) notices within a fraction of a second and stops sending; answers
     already in flight are recorded as succeeded, since they were paid for.
+    cancel waits (up to 10 s) for such runs to end, so that when it returns
+    nothing more is sent, and says how many answers came in meanwhile.
     Cancelled items are not sent by a later resume; to send them after all:
     batchrun retry JOB --state cancelled && batchrun resume JOB.
 
@@ -938,18 +940,27 @@ def cancel(job: int, db: str | None) -> None:
     what they finished is kept (the next `batchrun resume JOB` collects it), the rest
     becomes cancelled.
     """
+    from batchrun.cancel import RUNS_STOP_WAIT_SECONDS, cancel_job
     from batchrun.hints import command
     from batchrun.ledger.shards import ShardLedger
 
     with _open(db, existing=True) as ledger:
         record = ledger.get_job(job)
-        n = ledger.cancel(job)
+        in_batches = bool(ShardLedger(ledger).shards(job, open_only=True))
+        # A batch-mode run waits on the provider, not on answers in flight: no wait for it.
+        done = cancel_job(ledger, job, wait_seconds=0.0 if in_batches else RUNS_STOP_WAIT_SECONDS)
         shards = None
-        if ShardLedger(ledger).shards(job, open_only=True):
+        if in_batches:
             from batchrun.batch import cancel_shards
 
             shards = run_sync(cancel_shards(ledger, record))
-    click.echo(f"{n} items of job {job} cancelled")
+    in_flight = done.answered_in_flight
+    click.echo(f"{done.cancelled} items of job {job} cancelled"
+               + (f"; {in_flight} {'answer' if in_flight == 1 else 'answers'} already in flight "
+                  f"{'was' if in_flight == 1 else 'were'} recorded (paid for)" if in_flight else ""))
+    if done.run_still_working and not in_batches:
+        click.echo(f"batchrun: a run of job {job} has not ended yet (frozen, or waiting on slow answers); it sends "
+                   "nothing more once it notices, and records what was in flight", err=True)
     if shards is None:
         return
     if shards.shards:

@@ -126,7 +126,8 @@ class RunOptions:
     initial_concurrency: int = 4
     flush_interval: float = 0.1
     flush_count: int = 500
-    heartbeat_interval: float = 2.0  # also how soon a `batchrun cancel` from elsewhere stops the sending
+    heartbeat_interval: float = 2.0
+    cancel_poll_interval: float = 0.2  # how soon a `batchrun cancel` from elsewhere stops the sending
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
     lease_seconds: float | None = None  # None: the spec's; how soon a killed run's items come back
@@ -868,7 +869,7 @@ class JobRunner:
             self._flush_now.set()
 
     async def _writer(self) -> None:
-        last_beat = time.monotonic()
+        last_beat = last_cancel_check = time.monotonic()
         while True:
             try:
                 await asyncio.wait_for(self._flush_now.wait(), self.options.flush_interval)
@@ -884,6 +885,9 @@ class JobRunner:
                 await self._ledger(self.ledger.record, self.run_id, outcomes, attempts)
             if held:
                 self.admission.release_committed(held)
+            if not self.stopping and time.monotonic() - last_cancel_check >= self.options.cancel_poll_interval:
+                last_cancel_check = time.monotonic()
+                await self._notice_cancel()
             beat_due = self.tenure.wanted or time.monotonic() - last_beat >= self._heartbeat_interval
             if beat_due and not self.tenure.lock_lost:  # a lost lock is not asked for again
                 last_beat = time.monotonic()
@@ -894,17 +898,19 @@ class JobRunner:
 
     # -- the lock and the leases (their fences: batchrun.tenure) --------------
 
-    async def _renew_leases(self) -> dict[int, int]:
-        """The heartbeat in the ledger: the lock (an exclusive run) and the leases renewed; the items still held.
-
-        A ``batchrun cancel`` since the run started stops it: nothing more is sent (the cancelled items
-        are no longer held), and answers already in flight are recorded."""
-        if not self.stopping and await self._ledger(self.ledger.cancelled_since, self.job.id, self.stats.started_at):
+    async def _notice_cancel(self) -> None:
+        """A ``batchrun cancel`` since the run started stops it: nothing more is sent (the cancelled items
+        are no longer held), and answers already in flight are recorded. Looked for every
+        ``cancel_poll_interval`` (one read of the job's row), not only with the heartbeat."""
+        if await self._ledger(self.ledger.cancelled_since, self.job.id, self.stats.started_at) and not self.stopping:
             self.request_stop(
                 StopReason.CANCELLED,
                 f"job {self.job.id} was cancelled (batchrun cancel) while this run worked it: nothing more was "
                 "sent, answers already in flight were recorded",
             )
+
+    async def _renew_leases(self) -> dict[int, int]:
+        """The heartbeat in the ledger: the lock (an exclusive run) and the leases renewed; the items still held."""
         return await self._ledger(
             lambda: self.ledger.heartbeat(self.job.id, self.run_id, self.lease_seconds, exclusive=self.options.exclusive)
         )

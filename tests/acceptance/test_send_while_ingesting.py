@@ -204,10 +204,11 @@ def test_cancel_while_the_input_is_read_stops_sending_and_cancels_the_rest(
     finally:
         proc.kill()
         proc.communicate()
-    assert proc.returncode == 1, err  # finished: some items cancelled
-    # The run sees the cancel at its next heartbeat (2 s); what it had in flight is recorded.
-    late = [r for r in padded_server.log if r.received_at > at + 3.0]
-    assert not late, f"{len(late)} requests more than 3 s after the cancel"
+    # cancel returns once the run has ended: 1 when the ingest had read the whole input by then (every
+    # item succeeded or cancelled), 75 when it stopped with the run (its rest comes in cancelled below)
+    assert proc.returncode in (1, 75), err
+    late = [r for r in padded_server.log if r.received_at > at]
+    assert not late, f"{len(late)} requests after cancel returned"
     states = dict(query(db, "select state, count(*) from items group by state"))
     assert set(states) <= {"cancelled", "succeeded"}, states
     # A resume reads the rest of the input, and it comes in cancelled: nothing more is sent.
