@@ -1,8 +1,9 @@
 """The next commands batchrun suggests ("carry on with: ..."), aimed at the right ledger.
 
-A hint that a user pastes must act on the job it names: when the ledger is not the
-one the bare command opens (``$BATCHRUN_DB``, else the default), the command repeats
-``--db``. A PostgreSQL URL is shown with its password hidden, never in full.
+A hint that a user pastes must act on the job it names, in whatever shell it is pasted:
+when the ledger is not the default one, the command repeats ``--db`` (a ``$BATCHRUN_DB``
+that cron sets is not in the user's shell). A PostgreSQL URL is shown with its password
+hidden, never in full; one whose password comes from ``$BATCHRUN_DB`` is left to it.
 """
 
 from __future__ import annotations
@@ -12,19 +13,23 @@ import shlex
 
 
 def db_flag(ledger_url: str) -> str:
-    """`` --db LEDGER`` for a ledger the bare command would not open, else ``""``.
+    """`` --db LEDGER`` for a ledger other than the default, else ``""``.
 
-    ``ledger_url`` is the ledger's URL as shown (a password hidden). The bare command opens
-    ``$BATCHRUN_DB`` when it is set (cron sets it), else the default ledger. A URL whose
-    password is hidden cannot be pasted: the hint asks for the user's own ``--db`` value.
+    ``ledger_url`` is the ledger's URL as shown (a password hidden). A URL whose password is
+    hidden cannot be pasted: the hint leaves it to ``$BATCHRUN_DB`` when that names it, else
+    asks for the user's own ``--db`` value.
     """
     from sqlalchemy.engine import make_url
 
     from batchrun.ledger.basics import resolve_db_url  # the ledger's own messages use this module
 
-    bare = resolve_db_url(os.environ.get("BATCHRUN_DB") or None)
-    if ledger_url in (bare, make_url(bare).render_as_string(hide_password=True)):
+    if ledger_url == resolve_db_url(None):
         return ""
+    from_env = os.environ.get("BATCHRUN_DB")
+    if from_env and make_url(ledger_url).password is not None:
+        env_url = resolve_db_url(from_env)
+        if ledger_url in (env_url, make_url(env_url).render_as_string(hide_password=True)):
+            return ""  # the password stays in $BATCHRUN_DB, the way to keep it off command lines
     if make_url(ledger_url).password is not None:  # shown as ***: pasting it would fail to log in
         return " --db '<your --db URL>'"
     where = ledger_url.removeprefix("sqlite:///") if ledger_url.startswith("sqlite:///") else ledger_url

@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from datetime import datetime
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 import orjson
@@ -22,13 +23,16 @@ DEFAULT_INTERVAL_S = 10.0
 log = logging.getLogger("batchrun.progress")
 
 
-def snapshot(runner: JobRunner, todo: int, before: int = 0) -> dict[str, Any]:
+def snapshot(runner: JobRunner, todo: int, before: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Where the run stands: counts, rate, ETA, spend, errors by class, concurrency and rate-limit state.
 
-    ``done``/``todo`` are this run's; ``job_done``/``job_total`` add the ``before`` items the job had
-    finished before it (a resume shows 200/200, not 122/122).
+    ``done``/``todo``/``succeeded``/``failed`` are this run's; ``job_done``/``job_total``/``job_succeeded``/
+    ``job_failed`` add the items the job had finished before it (``before``, by state): a resume shows
+    200/200 ok=200, not 122/122 ok=122 nor 200/200 ok=122.
     """
     s = runner.stats
+    before = before or {}
+    earlier = sum(before.get(k, 0) for k in WORKED_STATES)
     todo += s.fed  # items the ingest beside the run has stored since it started
     done = sum(s.done[k] for k in WORKED_STATES)
     elapsed = max(1e-9, time.time() - s.started_at)
@@ -45,10 +49,12 @@ def snapshot(runner: JobRunner, todo: int, before: int = 0) -> dict[str, Any]:
         "elapsed_s": round(elapsed, 3),
         "todo": todo,
         "done": done,
-        "job_done": before + done,
-        "job_total": before + todo,
+        "job_done": earlier + done,
+        "job_total": earlier + todo,
         "succeeded": s.done["succeeded"],
         "failed": s.done["failed"],
+        "job_succeeded": before.get("succeeded", 0) + s.done["succeeded"],
+        "job_failed": before.get("failed", 0) + s.done["failed"],
         "invalid_output": s.done["invalid_output"],
         "cached": s.cached,  # succeeded from the response cache (counted in done and succeeded)
         "rate_per_s": round(rate, 3),
@@ -75,10 +81,10 @@ def _eta(snap: dict[str, Any]) -> str:
     return f"{hours:02d}:{minutes:02d}:{seconds:02d}"
 
 
-def _done_before(runner: JobRunner) -> int:
-    """Items of the job finished by earlier runs (what the job counts as done, less this run's own)."""
+def _done_before(runner: JobRunner) -> dict[str, int]:
+    """Items of the job finished by earlier runs, by state (what the job counts, less this run's own)."""
     counts = runner.ledger.counts(runner.job.id)
-    return max(0, sum(counts[k] for k in WORKED_STATES) - sum(runner.stats.done[k] for k in WORKED_STATES))
+    return {k: max(0, counts[k] - runner.stats.done[k]) for k in WORKED_STATES}
 
 
 def _line(snap: dict[str, Any]) -> str:
@@ -86,15 +92,15 @@ def _line(snap: dict[str, Any]) -> str:
     paused = f" paused {snap['paused_for_s']:.1f}s" if snap["paused_for_s"] > 0 else ""
     eta = f"{snap['eta_s']:.0f}s" if snap["eta_s"] is not None else "-"
     return (
-        f"done {snap['job_done']}/{snap['job_total']} ok={snap['succeeded']}"
+        f"done {snap['job_done']}/{snap['job_total']} ok={snap['job_succeeded']}"
         + (f" (reused {snap['cached']})" if snap["cached"] else "")
-        + f" failed={snap['failed']} "
+        + f" failed={snap['job_failed']} "
         f"rate={snap['rate_per_s']:.1f}/s eta={eta} in_flight={snap['in_flight']} window={snap['concurrency_now']}{paused} "
         f"tokens={snap['input_tokens']}+{snap['output_tokens']} cost=${snap['cost_usd']:.4f} errors: {errors}"
     )
 
 
-def _emit(runner: JobRunner, todo: int, before: int, stream: TextIO | None) -> None:
+def _emit(runner: JobRunner, todo: int, before: Mapping[str, int], stream: TextIO | None) -> None:
     snap = snapshot(runner, todo, before)
     log.info("progress", extra={"progress": snap})
     if stream is not None:  # a timestamp per line: cron mail and log files are read later
@@ -143,7 +149,8 @@ async def show_progress(
         transient=False,
         expand=True,
     ) as progress:
-        task = progress.add_task("run", total=before + todo, detail="", rate="", eta="-")
+        first = snapshot(runner, todo, before)
+        task = progress.add_task("run", total=first["job_total"], detail="", rate="", eta="-")
         while True:
             snap = snapshot(runner, todo, before)
             errors = " ".join(f"{k}:{v}" for k, v in list(snap["errors"].items())[:3])
@@ -154,9 +161,10 @@ async def show_progress(
                 total=snap["job_total"],
                 rate=f"{snap['rate_per_s']:.1f}/s",
                 eta=_eta(snap),
-                detail=f"in flight {snap['in_flight']}/{snap['concurrency_now']}  ${snap['cost_usd']:.4f}  "
-                f"failed {snap['failed']}" + (f"  reused {snap['cached']}" if snap["cached"] else "")
-                + f"  {errors}{paused}",
+                # failures and spend before the in-flight figures: the detail is cut from its end
+                detail=f"failed {snap['job_failed']}  ${snap['cost_usd']:.4f}  "
+                f"in flight {snap['in_flight']}/{snap['concurrency_now']}"
+                + (f"  reused {snap['cached']}" if snap["cached"] else "") + f"  {errors}{paused}",
             )
             if time.monotonic() >= next_record:
                 log.info("progress", extra={"progress": snap})
@@ -164,8 +172,9 @@ async def show_progress(
             try:
                 await asyncio.sleep(0.2)
             except asyncio.CancelledError:
-                progress.update(task, completed=before + sum(runner.stats.done[k] for k in WORKED_STATES))
-                log.info("progress", extra={"progress": snapshot(runner, todo, before)})
+                last = snapshot(runner, todo, before)
+                progress.update(task, completed=last["job_done"])
+                log.info("progress", extra={"progress": last})
                 raise
 
 

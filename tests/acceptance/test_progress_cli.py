@@ -22,5 +22,5 @@ def test_resume_shows_the_jobs_totals_and_plain_lines_carry_a_timestamp(tmp_path
         resumed = run_cli(tmp_path, "resume", "1", "--db", db, "--progress-interval", "0.5")
     assert resumed.returncode == 0, resumed.stderr
     lines = [line for line in resumed.stderr.splitlines() if "job 1: done" in line]
-    assert lines and lines[-1].split(" done ")[1].startswith("200/200 "), resumed.stderr
+    assert lines and lines[-1].split(" done ")[1].startswith("200/200 ok=200 failed=0 "), resumed.stderr  # all the job's
     assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d batchrun: ", line) for line in lines), lines

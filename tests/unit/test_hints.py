@@ -1,5 +1,5 @@
-"""The hints batchrun prints ("carry on with: ...") name the ledger only when the bare command
-would open another one, and never print a URL that cannot work when pasted."""
+"""The hints batchrun prints ("carry on with: ...") name the ledger unless it is the default one,
+and never print a URL that cannot work when pasted."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from batchrun.hints import command
 from batchrun.ledger.basics import resolve_db_url
 
 
-def test_a_ledger_the_bare_command_opens_is_not_repeated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_the_default_ledger_is_not_repeated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BATCHRUN_DB", raising=False)
     assert command(resolve_db_url(None), "resume", 1) == "batchrun resume 1"
     other = tmp_path / "my ledger.db"
     assert command(resolve_db_url(other), "resume", 1) == f"batchrun resume 1 --db '{other}'"
-    monkeypatch.setenv("BATCHRUN_DB", str(other))  # cron's way: the bare command finds it again
-    assert command(resolve_db_url(other), "resume", 1) == "batchrun resume 1"
+    monkeypatch.setenv("BATCHRUN_DB", str(other))  # cron's way; pasted in a shell without it, the hint still works
+    assert command(resolve_db_url(other), "resume", 1) == f"batchrun resume 1 --db '{other}'"
 
 
 def test_a_url_shown_with_its_password_hidden_is_not_offered_for_pasting(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,3 +55,4 @@ def test_the_live_bar_fits_80_columns_and_keeps_done_total_rate_and_eta(monkeypa
     last = frames[-1]
     assert re.search(r"job \d+ +120/120 +\d+\.\d/s +eta ", last), last  # the most important fields first, whole
     assert any("in flight" in f or "…" in f for f in frames)  # the detail is there, cut from its end when short of room
+    assert all(re.search(r"eta \S+ .*failed \d+", f) for f in frames if "/s" in f), frames  # failures kept first
