@@ -36,6 +36,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _seen: list[int] = []  # signals received by this command, first first
 _held = False  # our recording handlers are the installed ones (only ever set by the command)
+_next_command: list[str] = []  # what a second signal prints before it exits: how to carry on
 
 
 def hold() -> None:
@@ -97,6 +98,11 @@ def ended() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+def carry_on_with(command: str | None) -> None:
+    """The command a second signal prints before it exits 75 (``batchrun resume 3 --db ...``)."""
+    _next_command[:] = [command] if command else []
+
+
 def note(signum: int) -> int:
     """Count a signal (from any handler); the second one exits 75 at once. Returns the count."""
     _seen.append(signum)
@@ -106,6 +112,11 @@ def note(signum: int) -> int:
                 stream.flush()
             except Exception:  # noqa: BLE001 (interrupted mid-write: exiting is what matters)
                 pass
+        name = signal.Signals(signum).name
+        said = f"batchrun: {name} again: stopped at once" + (
+            f"; requests in flight are abandoned, carry on with: {_next_command[0]}" if _next_command else "")
+        with contextlib.suppress(OSError):
+            os.write(2, (said + "\n").encode())  # not through sys.stderr: it may be mid-write
         os._exit(ExitCode.TEMPFAIL)
     return len(_seen)
 

@@ -432,6 +432,8 @@ def _run_and_export(
             error=StoppedError(f"stopped by {name} before the run started; "
                                f"carry on with: {command(ledger.url, 'resume', job_id)}"),
         )
+    if handle_signals:
+        interrupt.carry_on_with(command(ledger.url, "resume", job_id))
     summary = run_sync(_work(ledger, job_id, overrides, options, sender, batch, on_start, feed,
                              handle_signals=handle_signals))
     prepared = _read_beside(prepared, feed)
