@@ -183,7 +183,8 @@ class Refusals(Generic[T]):
             return None
         return (f"the provider refused the first {n} requests the same way: {message}; every request carries "
                 "what it refuses (the model, the URL path or a parameter): nothing failed, the items stay "
-                "pending; fix the spec, or pass --model / --base-url to the resume")
+                "pending; resume with the right --model or --base-url (or correct it where it was given, "
+                "spec or command line, and submit again: a new job)")
 
     def release(self) -> list[tuple[T, PermanentError]]:
         """The held items and their errors, no longer held."""
