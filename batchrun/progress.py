@@ -123,11 +123,16 @@ async def show_progress(
     otherwise the same figures go to ``stream`` as one line. ``quiet``: log records only.
     """
     stream = stream or sys.stderr
-    while not runner.run_id:  # nothing to show before the run holds the job: an overlapping run says only that
-        await asyncio.sleep(0.05)
-    before = await asyncio.to_thread(_done_before, runner)
+    out = None if quiet else stream
+    try:
+        while not runner.run_id:  # nothing to show before the run holds the job: an overlapping run says only that
+            await asyncio.sleep(0.05)
+        before = await asyncio.to_thread(_done_before, runner)
+    except asyncio.CancelledError:
+        if runner.run_id:  # a run over before the display began (all from the cache): its figures still go out
+            _emit(runner, todo, _done_before(runner), out)
+        raise
     if quiet or not stream.isatty():
-        out = None if quiet else stream
         try:
             while True:
                 await asyncio.sleep(interval)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 import re
 
 import pytest
@@ -56,3 +57,26 @@ def test_the_live_bar_fits_80_columns_and_keeps_done_total_rate_and_eta(monkeypa
     assert re.search(r"job \d+ +120/120 +\d+\.\d/s +eta ", last), last  # the most important fields first, whole
     assert any("in flight" in f or "…" in f for f in frames)  # the detail is there, cut from its end when short of room
     assert all(re.search(r"eta \S+ .*failed \d+", f) for f in frames if "/s" in f), frames  # failures kept first
+
+
+def test_a_run_over_before_the_display_began_still_gets_its_last_record(caplog: pytest.LogCaptureFixture) -> None:
+    """All from the response cache, a run can end inside the display's first wait: its last
+    progress record (``--log-file``, ``-v``) must still go out (it did not under load)."""
+    ledger = InMemoryLedger()
+    job_id = add_job(ledger, make_spec(concurrency=4), 3)
+    job_runner = runner(ledger, job_id, FakeChat(lambda body, asked: answer_after(0.0)))
+    plain = io.StringIO()
+
+    async def work() -> None:
+        shown = asyncio.ensure_future(show_progress(job_runner, 3, stream=plain, interval=60))
+        await asyncio.sleep(0)  # the display is in its first wait for the run
+        await job_runner.run()
+        shown.cancel()  # at once, as the command does when the run is over
+        with contextlib.suppress(asyncio.CancelledError):
+            await shown
+
+    with caplog.at_level(logging.INFO, logger="batchrun.progress"):
+        asyncio.run(work())
+    records = [r.progress for r in caplog.records if r.name == "batchrun.progress"]  # type: ignore[attr-defined]
+    assert records and records[-1]["job_done"] == 3 and records[-1]["job_succeeded"] == 3, records
+    assert "done 3/3 ok=3" in plain.getvalue()
