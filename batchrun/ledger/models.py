@@ -159,6 +159,10 @@ attempts = Table(
     # The run's own number for the attempt: a replayed write cannot add it twice.
     Column("seq", Integer),
     Column("shard_id", BigId),  # batch mode: the shard whose results line this is (null: an online request)
+    # A failed attempt's message (redacted, at most ATTEMPT_MESSAGE_CHARS): an example for its error
+    # class and status even when the item later succeeded (and so keeps no message).
+    Column("error_message", Text),
+    Column("ttfb_ms", Float),  # time from sending to the response's headers (streamed or not)
     Index("uq_attempts_run_seq", "run_id", "seq", unique=True),
     Index(
         "ix_attempts_errors",
@@ -181,6 +185,7 @@ attempts = Table(
             ("latency", "latency_ms", "error_class IS NULL AND latency_ms IS NOT NULL"),
             ("queue_wait", "queue_wait_ms", "queue_wait_ms IS NOT NULL"),
             ("ttft", "ttft_ms", "error_class IS NULL AND ttft_ms IS NOT NULL"),
+            ("ttfb", "ttfb_ms", "error_class IS NULL AND ttfb_ms IS NOT NULL"),
         )
     ),
 )
