@@ -583,10 +583,7 @@ def report_tables(data: dict[str, Any]) -> list[Table]:
                        right=range(1, 1 + len(SPLIT_PERCENTILES)))
         for measure, label in SPLIT.items():
             table.add_row(label, *(fmt_ms(split[measure][f"p{p}"]) for p in SPLIT_PERCENTILES))
-        table.caption = (
-            f"over {split['latency_ms']['count']:,} answers; first and last byte are counted from sending, "
-            "so the network and server's share is time to first byte, the answer's own the rest"
-        )
+        table.caption = f"over {split['latency_ms']['count']:,} answers; bytes timed from sending"
         table.caption_justify = "left"
         tables.append(table)
     ttft = data.get("ttft_histogram")
