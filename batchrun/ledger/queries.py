@@ -133,6 +133,8 @@ class AttemptRow:
     cost_usd: float | None
     ttft_ms: float | None
     item_id: int = 0
+    ttfb_ms: float | None = None  # time to the response's headers (recorded since schema 0010)
+    error_message: str | None = None  # a failed attempt's message, redacted and shortened (since 0010)
 
 
 _ANY_STATUS = object()  # _attempt_example: any status code
