@@ -162,7 +162,9 @@ attempts = Table(
     # A failed attempt's message (redacted, at most ATTEMPT_MESSAGE_CHARS): an example for its error
     # class and status even when the item later succeeded (and so keeps no message).
     Column("error_message", Text),
-    Column("ttfb_ms", Float),  # time from sending to the response's headers (streamed or not)
+    # Time from sending to the response's headers (streamed or not). No index: one costs the writer
+    # ~15 µs per answer (bench/RESULTS.md), and only `report` sorts these.
+    Column("ttfb_ms", Float),
     Index("uq_attempts_run_seq", "run_id", "seq", unique=True),
     Index(
         "ix_attempts_errors",
@@ -185,7 +187,6 @@ attempts = Table(
             ("latency", "latency_ms", "error_class IS NULL AND latency_ms IS NOT NULL"),
             ("queue_wait", "queue_wait_ms", "queue_wait_ms IS NOT NULL"),
             ("ttft", "ttft_ms", "error_class IS NULL AND ttft_ms IS NOT NULL"),
-            ("ttfb", "ttfb_ms", "error_class IS NULL AND ttfb_ms IS NOT NULL"),
         )
     ),
 )

@@ -288,10 +288,11 @@ class LedgerQueries:
         slot), ``ttfb_ms`` (sent to the response's headers) and ``latency_ms`` (sent to the last byte).
 
         All three over one set of attempts, the clean answers that have a TTFB (online requests since
-        migration 0010, which always have the other two): the set is ``ix_attempts_ttfb``, and as each
-        answer's TTFB is at most its latency, so is each percentile. A percentile is one step into the
-        measure's own index (``ix_attempts_queue_wait``, ``ix_attempts_ttfb``, ``ix_attempts_latency``)
-        from its nearer end, the set's other conditions checked on the way. Mean and extremes are left
+        migration 0010, which always have the other two); as each answer's TTFB is at most its
+        latency, so is each percentile. Queue wait and latency are a step into their own index
+        (``ix_attempts_queue_wait``, ``ix_attempts_latency``) from the nearer end, the set's other
+        conditions checked on the way; TTFB has no index (it would cost the writer on every answer),
+        so its percentiles are a sort: the report's price, not the run's. Mean and extremes are left
         out (None): the split is read for its percentiles.
         """
         a = attempts_t.c

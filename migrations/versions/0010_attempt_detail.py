@@ -8,11 +8,11 @@ its response's headers (streamed or not): with ``queue_wait_ms`` and
 ``latency_ms`` it splits a request's time into waiting for a slot, the network
 and server up to the first byte, and the rest of the answer.
 
-``ix_attempts_ttfb`` (partial: clean answers with a TTFB) holds that
-distribution in order, like ``ix_attempts_latency``, so its percentiles are one
-step into the index. The count triggers of 0009 are unchanged (they name their
-columns), and adding columns does not rebuild the table on SQLite, so the
-triggers stay.
+``ttfb_ms`` has no index of its own: one cost the run's ledger writer about
+15 µs per clean answer (a fifth of its work per answer; bench/RESULTS.md), and
+only ``report`` reads the distribution (a sort, about 2 s over 500,000 answers).
+The count triggers of 0009 are unchanged (they name their columns), and adding
+columns does not rebuild the table on SQLite, so the triggers stay.
 
 Revision ID: 0010
 Revises: 0009
@@ -29,20 +29,13 @@ down_revision = "0009"
 branch_labels = None
 depends_on = None
 
-TTFB_WHERE = "error_class IS NULL AND ttfb_ms IS NOT NULL"
-
 
 def upgrade() -> None:
     op.add_column("attempts", sa.Column("error_message", sa.Text()))
     op.add_column("attempts", sa.Column("ttfb_ms", sa.Float()))
-    op.create_index(
-        "ix_attempts_ttfb", "attempts", ["job_id", "ttfb_ms"],
-        sqlite_where=sa.text(TTFB_WHERE), postgresql_where=sa.text(TTFB_WHERE),
-    )
 
 
 def downgrade() -> None:
-    op.drop_index("ix_attempts_ttfb", table_name="attempts")
     if op.get_bind().dialect.name == "sqlite":
         # DROP COLUMN in place (SQLite >= 3.35): batch_alter_table would rebuild attempts and drop
         # the count trigger of 0009 with it.
