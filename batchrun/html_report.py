@@ -243,8 +243,8 @@ def render_html(data: dict[str, Any]) -> str:
             f"{_head('', *(f'p{p}' for p in SPLIT_PERCENTILES), numeric=range(1, 1 + len(SPLIT_PERCENTILES)))}"
             f"{_rows(cells)}</table>\n<p class=\"note\">Over {split['latency_ms']['count']:,} clean answers: queue wait "
             "is from when the item was ready to when its request was sent; first and last byte are counted from "
-            "sending, so time to first byte is the network and the server before the answer starts, the rest the "
-            "answer's own.</p>\n"
+            "sending. Without streaming a server sends its headers once the answer is ready, so the two are "
+            "close; streamed, the gap between them is the generation.</p>\n"
         )
     ttft_section = ""
     if data.get("ttft_histogram"):
