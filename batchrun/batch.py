@@ -54,6 +54,7 @@ from batchrun.cache import cache_scope, request_key, reusable
 from batchrun.errors import AuthError, LockLostError, OutputInvalidError, PermanentError, ProviderError, RetryableError
 from batchrun.hints import command
 from batchrun.ledger import LEDGER_RETRY_SECONDS, AsyncLedger, AttemptRecord, JobRecord, Ledger, Outcome
+from batchrun.ledger.store import attempt_message
 from batchrun.ledger.shards import ShardItem, ShardLedger, ShardPlan, ShardRecord
 from batchrun.pricing import Price, price_for
 from batchrun.providers import Provider, batch_api_for, provider_for
@@ -797,16 +798,17 @@ class BatchRunner:
             attempt.counted = False
             attempt.number = item.attempts
             attempt.error_class = f"batch_{line.unworked}"
+            attempt.error_message = f"the batch {line.unworked} before this line was worked"
             outcome = Outcome(
                 item.id, ItemState.PENDING, item.attempts, error_class=attempt.error_class,
-                error_message=f"the batch {line.unworked} before this line was worked", followups=item.followups,
+                error_message=attempt.error_message, followups=item.followups,
             )
             return outcome, attempt
         attempts = item.attempts + 1
         try:
             reply = self.provider.parse(line.status_code or 500, httpx.Headers(), line.body or b"", latency_ms=0.0)
         except ProviderError as error:
-            attempt.error_class = error.error_class
+            attempt.error_class, attempt.error_message = error.error_class, attempt_message(error.message)
             retry = isinstance(error, RetryableError) and attempts - len(followups) < self.spec.run.max_attempts
             outcome = Outcome(
                 item.id, ItemState.PENDING if retry else ItemState.FAILED, attempts,

@@ -4,7 +4,8 @@ Like ``llm logs`` shows a conversation: read from the ledger (:meth:`LedgerQueri
 :meth:`~LedgerQueries.item_attempts`), nothing sent. The request is rebuilt by the job's provider
 from the stored item exactly as a run sends it (the structured-output request included), with
 the item's re-asks (each invalid answer and the feedback it got) after it. An attempt keeps its
-status, error class, latency, tokens and cost; the item keeps the last error's message and the
+status, error class, latency, time to first byte, tokens, cost and its error's message
+(shortened); the item keeps the last error's message and the
 raw text of its final answer or error body.
 """
 
@@ -151,6 +152,8 @@ def _attempt_text(n: int, attempt: AttemptRow) -> str:
     parts = [f"{n:>3}  {started}Z  {status}", attempt.error_class or "ok"]
     if attempt.latency_ms is not None:
         parts.append(f"{attempt.latency_ms:.0f} ms")
+    if attempt.ttfb_ms is not None:
+        parts.append(f"ttfb {attempt.ttfb_ms:.0f} ms")
     if attempt.ttft_ms is not None:
         parts.append(f"ttft {attempt.ttft_ms:.0f} ms")
     if attempt.queue_wait_ms is not None:
@@ -159,6 +162,8 @@ def _attempt_text(n: int, attempt: AttemptRow) -> str:
         parts.append(f"{attempt.input_tokens or 0} in / {attempt.output_tokens or 0} out")
     if attempt.cost_usd is not None:
         parts.append(f"${attempt.cost_usd:.6f}")
+    if attempt.error_message:
+        parts.append(attempt.error_message.replace("\n", " "))
     return "  ".join(parts)
 
 

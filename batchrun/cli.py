@@ -660,19 +660,23 @@ def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False), metavar="FILE",
               help="Write one self-contained HTML page (no external assets) with charts instead of the text report.")
 @click.option("--force", is_flag=True, help="Replace an existing --html file that is not a batchrun report.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object: status --json's keys plus latency_split, ttft_histogram and the histograms.")
 @db_option
 @handle_errors
-def report(job: int, html_path: str | None, force: bool, db: str | None) -> None:
+def report(job: int, html_path: str | None, force: bool, as_json: bool, db: str | None) -> None:
     """A full report of JOB: states, throughput, latency, queue wait and TTFT percentiles,
-    tokens, cost, errors by class and by HTTP status with an example message, and items
-    by number of requests.
+    where clean answers' time went (P50/P99 of queue wait, time to first byte, time to last
+    byte), a TTFT histogram of streamed answers, tokens, cost, errors by class and by HTTP
+    status with an example message, and items by number of requests.
 
-    With --html FILE, instead one page that opens in any browser: a latency
-    histogram, throughput over time and the same tables (stdout: its path).
+    With --html FILE, instead one page that opens in any browser: latency and TTFT
+    histograms, throughput over time and the same tables (stdout: its path).
 
     \b
     Examples:
       batchrun report 3
+      batchrun report 3 --json
       batchrun report 3 --html report-3.html
     """
     from rich.console import Console
@@ -684,6 +688,9 @@ def report(job: int, html_path: str | None, force: bool, db: str | None) -> None
         data = job_report(ledger, job)
     if html_path:  # the page instead of the text report
         click.echo(f"html: {write_html_report(html_path, render_html(data), force=force)}")
+        return
+    if as_json:
+        click.echo(orjson.dumps(data).decode())
         return
     render_report(data, Console(highlight=False))
 

@@ -1,6 +1,6 @@
 """``batchrun report --html``: one self-contained page (inline CSS and SVG; no scripts, fonts or links).
 
-It draws the latency histogram and throughput over time from
+It draws the latency histogram, the TTFT histogram of a streamed job and throughput over time from
 :func:`batchrun.report.job_report` and shows the same tables as the text report.
 """
 
@@ -16,8 +16,11 @@ from batchrun.listing import job_state
 from batchrun.report import (
     HTML_GENERATOR,
     MEASURES,
+    NO_EXAMPLE,
     NONE,
     PERCENTILES,
+    SPLIT,
+    SPLIT_PERCENTILES,
     batch_table,
     fmt_money,
     fmt_ms,
@@ -148,17 +151,19 @@ def bar_chart(
     return "\n".join(out)
 
 
-def latency_chart(data: dict[str, Any]) -> str:
-    hist = data.get("latency_histogram")
+def latency_chart(data: dict[str, Any], measure: str = "latency_ms") -> str:
+    """The histogram of clean answers' latency, or of their TTFT (``measure="ttft_ms"``: streamed answers)."""
+    hist = data.get("ttft_histogram" if measure == "ttft_ms" else "latency_histogram")
     if not hist:
         return '<p class="empty">No clean answer yet.</p>'
     low, width, counts = hist["low_ms"], hist["width_ms"], hist["counts"]
     edges = [low + i * width for i in range(len(counts) + 1)]
     tips = [f"{_tick_label(edges[i])}–{_tick_label(edges[i + 1])} ms: {c:,} requests" for i, c in enumerate(counts)]
-    lat = data["latency_ms"]
+    lat = data[measure]
     marks = [(f"p{p}", lat[f"p{p}"]) for p in PERCENTILES if lat[f"p{p}"] is not None]
+    what = "time to first token" if measure == "ttft_ms" else "latency"
     chart = bar_chart(
-        counts, edges, label="Latency histogram of clean answers", x_title="latency (ms)", y_title="requests",
+        counts, edges, label=f"{what.capitalize()} histogram of clean answers", x_title=f"{what} (ms)", y_title="requests",
         tips=tips, tail=hist["overflow"],
         tail_tip=f"{_tick_label(hist['overflow_from_ms'])} ms or more: {hist['overflow']:,} requests", marks=marks,
     )
@@ -226,6 +231,24 @@ def render_html(data: dict[str, Any]) -> str:
         + [("n", e(fmt_ms(data[m]["mean"]))), ("n", e(fmt_ms(data[m]["max"])))]
         for m, label in MEASURES.items()
     ]
+    split = data.get("latency_split")
+    split_section = ""
+    if split and split["latency_ms"]["count"]:
+        cells = [
+            [("", e(label))] + [("n", e(fmt_ms(split[m][f"p{p}"]))) for p in SPLIT_PERCENTILES]
+            for m, label in SPLIT.items()
+        ]
+        split_section = (
+            f"<h2>Where the time went</h2>\n<table class=\"narrow\">"
+            f"{_head('', *(f'p{p}' for p in SPLIT_PERCENTILES), numeric=range(1, 1 + len(SPLIT_PERCENTILES)))}"
+            f"{_rows(cells)}</table>\n<p class=\"note\">Over {split['latency_ms']['count']:,} clean answers: queue wait "
+            "is from when the item was ready to when its request was sent; first and last byte are counted from "
+            "sending. Without streaming a server sends its headers once the answer is ready, so the two are "
+            "close; streamed, the gap between them is the generation.</p>\n"
+        )
+    ttft_section = ""
+    if data.get("ttft_histogram"):
+        ttft_section = f"<h2>Time to first token of streamed answers</h2>\n{latency_chart(data, 'ttft_ms')}\n"
 
     def error_table(key: str, groups: dict[str, dict[str, Any]]) -> str:
         if not groups:
@@ -236,7 +259,7 @@ def render_html(data: dict[str, Any]) -> str:
             for name, g in groups.items()
         ]
         note = (
-            f'<p class="note">{NONE}: no item still holds this error (an item that later succeeded keeps no message).</p>'
+            f'<p class="note">{NONE}: {e(NO_EXAMPLE)}.</p>'
             if any(g["example"] is None for g in groups.values())
             else ""
         )
@@ -273,13 +296,13 @@ def render_html(data: dict[str, Any]) -> str:
 </section>
 <h2>Latency of clean answers</h2>
 {latency_chart(data)}
-<h2>Throughput over time</h2>
+{ttft_section}<h2>Throughput over time</h2>
 {throughput_chart(data)}
 <h2>Timing</h2>
 <table>{_head("", "count", *(f"p{p}" for p in PERCENTILES), "mean", "max", numeric=range(1, 7))}{_rows(timing)}</table>
 <p class="note">Latency and TTFT (time to first token, streamed requests only) cover clean answers (no transport,
 HTTP or output error); queue wait covers every request, from when the item was ready to when its request was sent.</p>
-<h2>Job</h2>
+{split_section}<h2>Job</h2>
 <table>{_rows([[("", e(k)), ("", e(v))] for k, v in overview])}</table>
 <h2>Errors by class</h2>
 {error_table("class", data["errors_by_class"])}

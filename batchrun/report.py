@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 PERCENTILES = (50, 90, 99)
 # Attempt measures: total latency and TTFT of clean answers, queue wait of every request.
 MEASURES = {"latency_ms": "latency", "queue_wait_ms": "queue wait", "ttft_ms": "TTFT"}
+# The report's split of a clean answer's time (LedgerQueries.answer_split), in the order it passes.
+SPLIT = {"queue_wait_ms": "queue wait (for a slot)", "ttfb_ms": "time to first byte", "latency_ms": "time to last byte"}
+SPLIT_PERCENTILES = (50, 99)
 NONE = "—"  # shown where there is no value (no streamed attempt, no answer yet)
 HTML_GENERATOR = "batchrun report"  # <meta name="generator">: marks a file we may replace
 
@@ -220,8 +223,10 @@ def nice_step(raw: float) -> float:
     return 10.0 ** (exponent + 1)  # pragma: no cover - the loop always returns
 
 
-def latency_histogram(queries: LedgerQueries, job_id: int, dist: Distribution, bins: int = 30) -> dict[str, Any] | None:
-    """Answered requests per latency bucket, with a round bucket width.
+def latency_histogram(
+    queries: LedgerQueries, job_id: int, dist: Distribution, bins: int = 30, *, measure: str = "latency_ms"
+) -> dict[str, Any] | None:
+    """Answered requests per bucket of latency (or of ``measure``: ``ttft_ms``), with a round bucket width.
 
     A long tail (the slowest request over 1.5 x P99) goes into one overflow
     bucket so that it does not squash the rest of the chart.
@@ -235,7 +240,7 @@ def latency_histogram(queries: LedgerQueries, job_id: int, dist: Distribution, b
     n = math.floor((high - low) / width) + 1
     counts = [0] * n
     overflow = 0
-    for bucket, count in queries.attempt_histogram(job_id, "latency_ms", low, width).items():
+    for bucket, count in queries.attempt_histogram(job_id, measure, low, width).items():
         if bucket < n:
             counts[max(bucket, 0)] += count
         else:
@@ -258,11 +263,18 @@ def throughput_timeline(queries: LedgerQueries, job_id: int, start: float | None
 
 
 def job_report(ledger: Ledger, job_id: int) -> dict[str, Any]:
-    """:func:`job_status` plus the latency histogram and throughput over time of the report."""
+    """:func:`job_status` plus what only the report shows: the latency histogram, the TTFT histogram
+    of streamed answers (None: none streamed), throughput over time, and the split of clean answers'
+    time into queue wait, time to first byte and time to last byte (P50/P99)."""
     data, dists, totals = _status(ledger, job_id)
     queries = LedgerQueries(ledger.engine)
     data["latency_histogram"] = latency_histogram(queries, job_id, dists["latency_ms"])
+    data["ttft_histogram"] = latency_histogram(queries, job_id, dists["ttft_ms"], measure="ttft_ms")
     data["throughput_timeline"] = throughput_timeline(queries, job_id, totals.first_started_at)
+    data["latency_split"] = {
+        measure: {**{f"p{p}": d.percentiles.get(p) for p in SPLIT_PERCENTILES}, "count": d.count}
+        for measure, d in queries.answer_split(job_id, SPLIT_PERCENTILES).items()
+    }
     return data
 
 
@@ -565,6 +577,20 @@ def report_tables(data: dict[str, Any]) -> list[Table]:
         timing.add_row(label, f"{d['count']:,}", *(fmt_ms(d[f"p{p}"]) for p in PERCENTILES), fmt_ms(d["mean"]), fmt_ms(d["max"]))
 
     tables = [overview, timing]
+    split = data.get("latency_split")
+    if split and split["latency_ms"]["count"]:
+        table = _table("Where the time went (clean answers)", "", *(f"p{p}" for p in SPLIT_PERCENTILES),
+                       right=range(1, 1 + len(SPLIT_PERCENTILES)))
+        for measure, label in SPLIT.items():
+            table.add_row(label, *(fmt_ms(split[measure][f"p{p}"]) for p in SPLIT_PERCENTILES))
+        table.caption = f"over {split['latency_ms']['count']:,} answers; bytes timed from sending"
+        table.caption_justify = "left"
+        tables.append(table)
+    ttft = data.get("ttft_histogram")
+    if ttft:
+        table = _table("TTFT of streamed answers", "", header=False)
+        table.add_row(Text(bucket_line(ttft)))
+        tables.append(table)
     for title, key, groups in (
         ("Errors by class", "class", data["errors_by_class"]),
         ("Errors by HTTP status", "status", data["errors_by_status"]),
@@ -577,7 +603,7 @@ def report_tables(data: dict[str, Any]) -> list[Table]:
         if not groups:
             table.add_row("none", "0", "0", NONE)
         elif any(g["example"] is None for g in groups.values()):
-            table.caption = f"{NONE}: no item still holds this error (an item that later succeeded keeps no message)"
+            table.caption = f"{NONE}: {NO_EXAMPLE}"
             table.caption_justify = "left"
         tables.append(table)
 
@@ -595,6 +621,23 @@ def report_tables(data: dict[str, Any]) -> list[Table]:
         table.caption, table.caption_justify = caption, "left"
         tables.append(table)
     return tables
+
+
+NO_EXAMPLE = "no message kept (attempts recorded before batchrun kept one, and no item still holds it)"
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def bucket_line(hist: dict[str, Any]) -> str:
+    """A histogram in one line: its range, a bar per bucket (blank: none), the slower ones, the bucket width."""
+    counts, top = hist["counts"], max(hist["counts"]) or 1
+    bars = "".join(" " if c == 0 else SPARKS[min(len(SPARKS) - 1, (c * len(SPARKS) - 1) // top)] for c in counts)
+    high = hist["low_ms"] + len(counts) * hist["width_ms"]
+    total = sum(counts) + hist["overflow"]
+    return (
+        f"{fmt_ms(hist['low_ms'])} |{bars}| {fmt_ms(high)}"
+        + (f" +{hist['overflow']:,} slower" if hist["overflow"] else "")
+        + f"  ({total:,} answers, {fmt_ms(hist['width_ms'])} buckets, tallest {top:,})"
+    )
 
 
 BATCH_COLUMNS = ("shard", "batch id", "state", "provider status", "requests", "turnaround")

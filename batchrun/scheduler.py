@@ -72,6 +72,7 @@ from batchrun.errors import (
     RetryableError,
 )
 from batchrun.health import LATENCIES_KEPT, Health, Refusals
+from batchrun.ledger.store import attempt_message
 from batchrun.ledger import (
     LEDGER_RETRY_SECONDS,
     AsyncLedger,
@@ -721,6 +722,8 @@ class JobRunner:
             ttft_ms=reply.ttft_ms if reply else None,
             tpot_ms=reply.tpot_ms if reply else None,
             counted=counted,
+            error_message=attempt_message(error.message) if error else None,
+            ttfb_ms=reply.ttfb_ms if reply else None,
         )
         self._attempts.append(record)
         work.last_attempt = record

@@ -159,6 +159,12 @@ attempts = Table(
     # The run's own number for the attempt: a replayed write cannot add it twice.
     Column("seq", Integer),
     Column("shard_id", BigId),  # batch mode: the shard whose results line this is (null: an online request)
+    # A failed attempt's message (redacted, at most ATTEMPT_MESSAGE_CHARS): an example for its error
+    # class and status even when the item later succeeded (and so keeps no message).
+    Column("error_message", Text),
+    # Time from sending to the response's headers (streamed or not). No index: one costs the writer
+    # ~15 µs per answer (bench/RESULTS.md), and only `report` sorts these.
+    Column("ttfb_ms", Float),
     Index("uq_attempts_run_seq", "run_id", "seq", unique=True),
     Index(
         "ix_attempts_errors",

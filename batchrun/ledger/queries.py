@@ -133,7 +133,11 @@ class AttemptRow:
     cost_usd: float | None
     ttft_ms: float | None
     item_id: int = 0
+    ttfb_ms: float | None = None  # time to the response's headers (recorded since schema 0010)
+    error_message: str | None = None  # a failed attempt's message, redacted and shortened (since 0010)
 
+
+_ANY_STATUS = object()  # _attempt_example: any status code
 
 RECONNECT_PAUSE_S = 1.0  # between tries to reopen an export's cursor while the server is away
 @dataclass(frozen=True)
@@ -279,6 +283,43 @@ class LedgerQueries:
             percentiles={p: at_rank[r] for p, r in ranks.items()},
         )
 
+    def answer_split(self, job_id: int, percentiles: Sequence[int] = (50, 99)) -> dict[str, Distribution]:
+        """Where clean answers' time went: nearest-rank percentiles of ``queue_wait_ms`` (waiting for a
+        slot), ``ttfb_ms`` (sent to the response's headers) and ``latency_ms`` (sent to the last byte).
+
+        All three over one set of attempts, the clean answers that have a TTFB (online requests since
+        migration 0010, which always have the other two); as each answer's TTFB is at most its
+        latency, so is each percentile. Queue wait and latency are a step into their own index
+        (``ix_attempts_queue_wait``, ``ix_attempts_latency``) from the nearer end, the set's other
+        conditions checked on the way; TTFB has no index (it would cost the writer on every answer),
+        so its percentiles are a sort: the report's price, not the run's. Mean and extremes are left
+        out (None): the split is read for its percentiles.
+        """
+        a = attempts_t.c
+        base = [a.job_id == job_id, a.error_class.is_(None), a.ttfb_ms.is_not(None)]
+        split: dict[str, Distribution] = {}
+        with self.engine.connect() as conn:
+            if not self.is_sqlite:
+                conn = conn.execution_options(isolation_level="REPEATABLE READ")
+            n = int(conn.execute(select(func.count()).where(*base)).scalar() or 0)
+            for measure in ("queue_wait_ms", "ttfb_ms", "latency_ms"):
+                column = a[measure]
+                if not n:
+                    split[measure] = Distribution(0, None, None, None, {})
+                    continue
+                values: dict[int, float] = {}
+                for p in percentiles:
+                    rank = max(1, -(-p * n // 100))
+                    low_end = rank <= (n + 1) // 2
+                    value = conn.execute(
+                        select(column).where(*base, column.is_not(None))
+                        .order_by(column if low_end else column.desc()).limit(1).offset(rank - 1 if low_end else n - rank)
+                    ).scalar()
+                    if value is not None:
+                        values[p] = float(value)
+                split[measure] = Distribution(n, None, None, None, values)
+        return split
+
     def attempt_histogram(self, job_id: int, measure: str, low: float, width: float) -> dict[int, int]:
         """Attempts per bucket ``floor((value - low) / width)`` of a measure (values at least ``low``)."""
         column, conds = self._measure(job_id, measure)
@@ -324,8 +365,9 @@ class LedgerQueries:
     def errors_by_class(self, job_id: int) -> list[ErrorGroup]:
         """Per error class: failed attempts, items that ended on it (failed, invalid or rejected), one message.
 
-        The example is an item's kept message; an item that later succeeded keeps
-        none, so a class seen only on retried attempts may have no example.
+        The example is an item's kept message (whole), else a failed attempt's
+        (``attempts.error_message``): an item that later succeeded keeps none, but
+        its attempts do. Only attempts recorded before migration 0010 have no message.
         """
         i, a = items_t.c, attempts_t.c
         with self.engine.connect() as conn:
@@ -357,6 +399,10 @@ class LedgerQueries:
                     .group_by(i.error_class)
                 ).all()
             )
+            for key in set(by_attempt) - set(examples):
+                example = self._attempt_example(conn, job_id, key)
+                if example is not None:
+                    examples[key] = example
         return sorted(
             (
                 ErrorGroup(str(key), int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key),
@@ -366,18 +412,36 @@ class LedgerQueries:
             key=lambda g: (-(g.attempts + g.items), str(g.key)),
         )
 
+    @staticmethod
+    def _attempt_example(conn: Any, job_id: int, error_class: str, status: Any = _ANY_STATUS) -> str | None:
+        """One failed attempt's message of this class (and status): a seek into ``ix_attempts_errors``
+        (job, class), reading the class's rows only until one has a message (every row since 0010)."""
+        a = attempts_t.c
+        conds: list[ColumnElement[bool]] = [
+            a.job_id == job_id, a.error_class == error_class, a.error_message.is_not(None)
+        ]
+        if status is not _ANY_STATUS:
+            conds.append(a.status_code.is_(None) if status is None else a.status_code == status)
+        value = conn.execute(select(a.error_message).where(*conds).limit(1)).scalar()
+        return None if value is None else str(value)
+
     def errors_by_status(self, job_id: int) -> list[ErrorGroup]:
         """Per HTTP error status (None: no response, e.g. a timeout or reset): failed attempts, failed items,
-        one message. A 2xx is no error status: its failures (invalid output, a truncated answer) are classes."""
+        one message. A 2xx is no error status: its failures (invalid output, a truncated answer) are classes.
+
+        The example is a kept item's message, else a failed attempt's (as for :meth:`errors_by_class`).
+        """
         i, a = items_t.c, attempts_t.c
         with self.engine.connect() as conn:
-            by_attempt: dict[Any, int] = dict(
-                conn.execute(
-                    select(a.status_code, func.count())
-                    .where(a.job_id == job_id, a.error_class.is_not(None))
-                    .group_by(a.status_code)
-                ).all()
-            )
+            by_attempt: dict[Any, int] = {}
+            classes: dict[Any, list[str]] = {}  # status -> the classes its failed attempts had
+            for status, error_class, n in conn.execute(
+                select(a.status_code, a.error_class, func.count())
+                .where(a.job_id == job_id, a.error_class.is_not(None))
+                .group_by(a.status_code, a.error_class)
+            ).all():
+                by_attempt[status] = by_attempt.get(status, 0) + n
+                classes.setdefault(status, []).append(error_class)
             by_item: dict[Any, int] = dict(
                 conn.execute(
                     select(i.status_code, func.count())
@@ -395,6 +459,14 @@ class LedgerQueries:
                     .group_by(i.status_code)
                 ).all()
             )
+            for status in set(by_attempt) - {k for k, v in examples.items() if v is not None}:
+                if isinstance(status, int) and 200 <= status < 300:
+                    continue
+                for error_class in sorted(classes[status]):
+                    example = self._attempt_example(conn, job_id, error_class, status)
+                    if example is not None:
+                        examples[status] = example
+                        break
         return sorted(
             (
                 ErrorGroup(key, int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key))

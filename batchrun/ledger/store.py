@@ -48,6 +48,7 @@ from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
 from batchrun.errors import JobLockedError, JobNotFoundError, LedgerBusyError, LockLostError
 from batchrun.hints import command
+from batchrun.redact import redact
 from batchrun.ledger.basics import RETRY_FILTERS
 from batchrun.ledger.engine import SQLITE_BUSY_TIMEOUT_MS, WRITE_OPTION, open_engine
 from batchrun.ledger.models import attempts as attempts_t
@@ -184,6 +185,19 @@ class AttemptRecord:
     counted: bool = True  # counts against max_attempts (not a 429, an auth refusal or an outage)
     seq: int | None = None  # the run's own number for it (unique per run): a replayed write adds it once
     shard_id: int | None = None  # batch mode: the shard whose results line it is (None: an online request)
+    error_message: str | None = None  # a failed attempt's message: use :func:`attempt_message`
+    ttfb_ms: float | None = None  # time to the response's headers (an online request that got one)
+
+
+ATTEMPT_MESSAGE_CHARS = 500  # what an attempt row keeps of its error's message (the item keeps it whole)
+
+
+def attempt_message(message: str | None) -> str | None:
+    """A failed attempt's message as its row keeps it: secrets masked, at most ATTEMPT_MESSAGE_CHARS."""
+    if message is None:
+        return None
+    message = redact(message)
+    return message if len(message) <= ATTEMPT_MESSAGE_CHARS else message[: ATTEMPT_MESSAGE_CHARS - 1] + "…"
 
 
 _ITEM_INSERT_COLUMNS = (

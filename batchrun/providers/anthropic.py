@@ -171,7 +171,10 @@ class AnthropicProvider:
     def stream_assembler(self) -> StreamAssembler:
         return MessageStreamAssembler()
 
-    def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
+    def parse(
+        self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float,
+        ttfb_ms: float | None = None,
+    ) -> Reply:
         data = json_or_none(content)
         text = content.decode("utf-8", errors="replace")
         if not 200 <= status_code < 300:
@@ -232,6 +235,7 @@ class AnthropicProvider:
             cached_tokens=cache_read if fresh is not None else None,
             model=data.get("model") if isinstance(data.get("model"), str) else None,
             headers=headers,
+            ttfb_ms=ttfb_ms,
         )
 
     def estimate_tokens(self, request: PreparedRequest) -> TokenEstimate:

@@ -70,6 +70,7 @@ class Reply:
     ttft_ms: float | None = None  # streamed: time to the first output token
     tpot_ms: float | None = None  # streamed: ms per output token after the first
     headers: httpx.Headers | None = None  # as received (``batchrun check`` shows the rate-limit ones)
+    ttfb_ms: float | None = None  # time from sending to the response's headers (streamed or not)
 
 
 class StreamAssembler(Protocol):
@@ -122,7 +123,10 @@ class Provider(Protocol):
         """
         ...
 
-    def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
+    def parse(
+        self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float,
+        ttfb_ms: float | None = None,
+    ) -> Reply:
         """A Reply for a 2xx answer; raise the right ProviderError otherwise."""
         ...
 

@@ -97,6 +97,7 @@ class Sender:
         try:
             async with asyncio.timeout(total_timeout):
                 response = await self._transport.handle_async_request(_http_request(request, self._timeouts))
+                headers_at = time.perf_counter()  # time to first byte: the transport returns on the headers
                 try:
                     if request.stream and 200 <= response.status_code < 300 and _is_event_stream(response):
                         assembler = provider.stream_assembler()
@@ -129,7 +130,10 @@ class Sender:
             raise RetryableError(f"{transport_error_what(error_class)}: {_describe(exc)}", error_class=error_class) from exc
         latency_ms = (time.perf_counter() - started) * 1000.0
         try:
-            reply = provider.parse(response.status_code, response.headers, content, latency_ms=latency_ms)
+            reply = provider.parse(
+                response.status_code, response.headers, content, latency_ms=latency_ms,
+                ttfb_ms=(headers_at - started) * 1000.0,
+            )
         except ProviderError as exc:
             exc.headers = response.headers
             raise

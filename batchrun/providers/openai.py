@@ -153,7 +153,10 @@ class OpenAIProvider:
     def stream_assembler(self) -> StreamAssembler:
         return ChatStreamAssembler()
 
-    def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
+    def parse(
+        self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float,
+        ttfb_ms: float | None = None,
+    ) -> Reply:
         data, text = parse_openai_body(status_code, headers, content)
         choices = data.get("choices")
         first = choices[0] if isinstance(choices, list) and choices else None
@@ -188,6 +191,7 @@ class OpenAIProvider:
             cached_tokens=int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None,
             model=data.get("model") if isinstance(data.get("model"), str) else None,
             headers=headers,
+            ttfb_ms=ttfb_ms,
         )
 
     def estimate_tokens(self, request: PreparedRequest) -> TokenEstimate:

@@ -111,7 +111,10 @@ class OpenAIResponsesProvider(OpenAIProvider):
     def stream_assembler(self) -> StreamAssembler:
         return ResponsesStreamAssembler()
 
-    def parse(self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float) -> Reply:
+    def parse(
+        self, status_code: int, headers: httpx.Headers, content: bytes, *, latency_ms: float,
+        ttfb_ms: float | None = None,
+    ) -> Reply:
         data, text = parse_openai_body(status_code, headers, content)
         status = data.get("status")
         if status == "failed":
@@ -161,6 +164,7 @@ class OpenAIResponsesProvider(OpenAIProvider):
             cached_tokens=int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None,
             model=data.get("model") if isinstance(data.get("model"), str) else None,
             headers=headers,
+            ttfb_ms=ttfb_ms,
         )
 
     def estimate_tokens(self, request: PreparedRequest) -> TokenEstimate:

@@ -43,6 +43,7 @@ def test_a_failed_item_shows_the_request_as_sent_each_attempt_and_the_error(
     assert data["status"] == ItemState.FAILED and data["line"] == 1
     assert data["error"]["class"] == "server_error" and data["error"]["status_code"] == 503
     assert len(data["attempt_log"]) == 3 and data["attempt_log"][0]["latency_ms"] is not None
+    assert all("HTTP 503" in a["error_message"] for a in data["attempt_log"])  # each attempt keeps its message
     assert data["raw"] is not None and "error" in data["raw"]  # the provider's error body
     text = render_item(view)
     assert text.startswith(f"# a  (job {job}, line 1): failed, 3 requests")

@@ -382,3 +382,25 @@ def test_a_rate_bucket_starts_full_and_a_take_past_it_waits_for_the_refill(backe
     assert 0.45 < led.take_rate_budget(job_id, "requests", 0) <= 0.5
     led.set_rate_budget(job_id, "tokens", 0.0, 100.0)
     assert led.take_rate_budget(job_id, "tokens", 1000) == 0.0  # no rate: never waits
+
+
+def test_an_attempt_keeps_its_error_message_and_time_to_first_byte(backend: Backend) -> None:
+    led = backend.ledger
+    job_id = backend.add_job(1)
+    run = led.start_run(job_id, "submit", exclusive=True)
+    [item] = led.claim(job_id, run, 1, 60, exclusive=True, token=1)
+    led.record(
+        run,
+        [Outcome(item.id, ItemState.SUCCEEDED, 2, status_code=200, output="x", finished_at=time.time(), claim=item.claim)],
+        [
+            _attempt(job_id, item.id, run, 1, status_code=500, error_class="server_error", error_message="HTTP 500: boom"),
+            _attempt(job_id, item.id, run, 2, ttfb_ms=12.5),
+        ],
+    )
+    if isinstance(led, InMemoryLedger):
+        kept = [(a.error_message, a.ttfb_ms) for a in led.attempts(job_id)]
+    else:
+        assert isinstance(led, Ledger)
+        kept = [(a.error_message, a.ttfb_ms) for a in LedgerQueries(led.engine).item_attempts(job_id, [item.id])[item.id]]
+    assert kept == [("HTTP 500: boom", None), (None, 12.5)]
+    assert backend.items(job_id)[0].error_message is None  # the item's own message is cleared by its success

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy
 
 from batchrun.ledger import AttemptRecord, Ledger, LedgerQueries, Outcome
 from batchrun.states import ItemState
@@ -98,6 +99,94 @@ def test_errors_by_class_and_by_status(ledger: Ledger) -> None:
     assert by_class == {"bad_request": (1, 1, "HTTP 400: no such model"), "server_error": (1, 0, None)}
     by_status = {g.key: (g.attempts, g.items, g.example) for g in queries.errors_by_status(job_id)}
     assert by_status == {400: (1, 1, "HTTP 400: no such model"), 500: (1, 0, None)}
+
+
+def test_an_error_met_only_by_items_that_later_succeeded_has_its_attempts_message(ledger: Ledger) -> None:
+    job_id = make_job(ledger, 2)
+    run = ledger.start_run(job_id, "test", exclusive=True)
+    ids = [c.id for c in ledger.claim(job_id, run, 2, 60)]
+    ledger.record(
+        run,
+        [Outcome(i, ItemState.SUCCEEDED, 2, status_code=200, output="a", finished_at=2000.0) for i in ids],
+        [
+            _attempt(job_id, ids[0], 1, status_code=500, error_class="server_error", error_message="HTTP 500: boom"),
+            _attempt(job_id, ids[0], 2),
+            _attempt(job_id, ids[1], 3, status_code=None, error_class="timeout",  # type: ignore[arg-type]
+                     error_message="timed out after 5 s"),
+            _attempt(job_id, ids[1], 4, status_code=503, error_class="server_error", error_message="HTTP 503: busy"),
+            _attempt(job_id, ids[1], 5),
+        ],
+    )
+    queries = LedgerQueries(ledger.engine)
+    by_class = {g.key: (g.attempts, g.items, g.example) for g in queries.errors_by_class(job_id)}
+    assert by_class["timeout"] == (1, 0, "timed out after 5 s")
+    assert by_class["server_error"][:2] == (2, 0) and by_class["server_error"][2] in ("HTTP 500: boom", "HTTP 503: busy")
+    by_status = {g.key: (g.attempts, g.items, g.example) for g in queries.errors_by_status(job_id)}
+    assert by_status == {500: (1, 0, "HTTP 500: boom"), 503: (1, 0, "HTTP 503: busy"), None: (1, 0, "timed out after 5 s")}
+
+
+def test_an_attempts_example_is_a_seek_into_the_errors_index(tmp_path: Path) -> None:
+    with Ledger.open(tmp_path / "l.db") as ledger, ledger.engine.connect() as conn:
+        from batchrun.ledger.models import attempts as a
+
+        query = (
+            sqlalchemy.select(a.c.error_message)
+            .where(a.c.job_id == 1, a.c.error_class == "server_error", a.c.error_message.is_not(None),
+                   a.c.status_code == 500)
+            .limit(1)
+        )
+        sql = str(query.compile(conn.engine, compile_kwargs={"literal_binds": True}))
+        plan = " ".join(row[-1] for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}"))
+    assert "ix_attempts_errors" in plan, plan
+
+
+def test_the_answer_splits_queue_wait_and_latency_are_seeks_into_their_index(tmp_path: Path) -> None:
+    from batchrun.ledger.models import attempts as a
+
+    base = [a.c.job_id == 1, a.c.error_class.is_(None), a.c.ttfb_ms.is_not(None)]
+    with Ledger.open(tmp_path / "l.db") as ledger, ledger.engine.connect() as conn:
+        for measure, index in (("queue_wait_ms", "queue_wait"), ("latency_ms", "latency")):
+            column = a.c[measure]
+            for order in (column, column.desc()):
+                query = sqlalchemy.select(column).where(*base, column.is_not(None)).order_by(order).limit(1).offset(5)
+                sql = str(query.compile(conn.engine, compile_kwargs={"literal_binds": True}))
+                plan = " ".join(row[-1] for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {sql}"))
+                assert f"ix_attempts_{index} " in plan and "TEMP B-TREE" not in plan, plan
+
+
+def test_attempt_messages_are_redacted_and_shortened() -> None:
+    from batchrun.ledger.store import ATTEMPT_MESSAGE_CHARS, attempt_message
+    from batchrun.redact import register_secret
+
+    register_secret("sk-attempt-secret-123")
+    kept = attempt_message("HTTP 401: key sk-attempt-secret-123 refused " + "x" * 2000)
+    assert kept is not None and "sk-attempt-secret-123" not in kept and "[REDACTED]" in kept
+    assert len(kept) == ATTEMPT_MESSAGE_CHARS and kept.endswith("…")
+    assert attempt_message("short") == "short" and attempt_message(None) is None
+
+
+def test_the_answer_split_covers_clean_answers_with_a_ttfb(ledger: Ledger) -> None:
+    job_id = make_job(ledger, 4)
+    run = ledger.start_run(job_id, "test", exclusive=True)
+    ids = [c.id for c in ledger.claim(job_id, run, 4, 60)]
+    ledger.record(
+        run,
+        [Outcome(i, ItemState.SUCCEEDED, 1, status_code=200, output="a", finished_at=2000.0) for i in ids],
+        [
+            _attempt(job_id, ids[0], 1, latency_ms=100.0, ttfb_ms=20.0),
+            _attempt(job_id, ids[1], 2, latency_ms=300.0, ttfb_ms=250.0),
+            _attempt(job_id, ids[2], 3, latency_ms=50.0, ttfb_ms=40.0),
+            _attempt(job_id, ids[3], 4, latency_ms=7.0),  # no TTFB (a ledger row from before 0010): left out
+            _attempt(job_id, ids[3], 5, latency_ms=900.0, ttfb_ms=1.0, status_code=500, error_class="server_error"),
+        ],
+    )
+    split = LedgerQueries(ledger.engine).answer_split(job_id, (50, 99))
+    assert {m: (d.count, d.percentiles) for m, d in split.items()} == {
+        "queue_wait_ms": (3, {50: 1.0, 99: 1.0}),
+        "ttfb_ms": (3, {50: 40.0, 99: 250.0}),
+        "latency_ms": (3, {50: 100.0, 99: 300.0}),
+    }
+    assert LedgerQueries(ledger.engine).answer_split(make_job(ledger, 1))["ttfb_ms"].count == 0
 
 
 def test_recent_latencies_are_clean_answers_oldest_first(ledger: Ledger) -> None:

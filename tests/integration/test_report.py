@@ -598,3 +598,90 @@ def test_a_cancelled_jobs_cards_say_cancelled(
     cli("report", str(job_id), "--db", db_url, "--html", str(page))
     cards = page.read_text().split("<h2>")[0]
     assert "cancelled (12)" in cards and "done" not in cards
+
+
+# -- attempt messages, the latency split, the TTFT histogram ------------------------------
+
+
+def test_an_error_class_whose_items_all_succeeded_later_still_has_an_example(
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    """An item that failed with a 500 and then succeeded keeps no message; its attempt does."""
+    server.faults = Faults(p_500=0.4, seed=7)
+    job_id = submit(ledger, make_spec(tmp_path, server), write_jsonl(records(20)))
+    assert run(ledger, job_id).exit_code == ExitCode.OK
+    assert any(r.outcome == "500" for r in server.log)  # some item met a 500 ...
+    said = "The server had an error while processing your request."  # the fake server's 500 message
+    data = status_json(db_url, job_id)
+    assert data["counts"]["succeeded"] == 20  # ... and every item succeeded in the end
+    server_error = data["errors_by_class"]["server_error"]
+    assert server_error["items"] == 0 and server_error["attempts"] >= 1
+    assert said in server_error["example"] and "HTTP 500" in server_error["example"]
+    assert said in data["errors_by_status"]["500"]["example"]
+
+    report = orjson.loads(cli("report", str(job_id), "--json", "--db", db_url).stdout)
+    assert said in report["errors_by_class"]["server_error"]["example"]
+    text = cli("report", str(job_id), "--db", db_url).stdout
+    assert "The server had an error" in text.split("Errors by class")[1]
+    page = tmp_path / "page.html"
+    cli("report", str(job_id), "--db", db_url, "--html", str(page))
+    assert "The server had an error" in page.read_text().split("Errors by class")[1]
+
+
+def test_the_report_splits_clean_answers_time_into_queue_first_byte_and_last_byte(
+    tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    server.faults = Faults(latency_s=0.01, latency_jitter_s=0.04, p_500=0.05, seed=4)
+    job_id = submit(ledger, make_spec(tmp_path, server, concurrency=4), write_jsonl(records(60)))
+    assert run(ledger, job_id).exit_code == ExitCode.OK
+    data = orjson.loads(cli("report", str(job_id), "--json", "--db", db_url).stdout)
+    split = data["latency_split"]
+    assert list(split) == ["queue_wait_ms", "ttfb_ms", "latency_ms"]
+    assert {m: d["count"] for m, d in split.items()} == dict.fromkeys(split, 60)  # every clean answer, once
+    for d in split.values():
+        assert 0 <= d["p50"] <= d["p99"]
+    for p in ("p50", "p99"):  # each answer's first byte came before its last
+        assert split["ttfb_ms"][p] <= split["latency_ms"][p]
+    # The fake server sleeps before it sends the headers: the first byte carries that wait.
+    assert split["ttfb_ms"]["p50"] >= 10 - CLOCK_SLACK_MS
+    assert split["latency_ms"]["p99"] <= data["latency_ms"]["max"]
+    assert data["ttft_histogram"] is None  # nothing was streamed
+
+    text = cli("report", str(job_id), "--db", db_url).stdout
+    table = text.split("Where the time went")[1].split("\n\n")[0]
+    for label in ("queue wait", "time to first byte", "time to last byte"):
+        assert re.search(label + r".*\d+(\.\d)? ms\s+.*\d+(\.\d)? ms", table), table
+    assert "TTFT of streamed answers" not in text
+    page = tmp_path / "split.html"
+    cli("report", str(job_id), "--db", db_url, "--html", str(page))
+    html = page.read_text()
+    assert "Where the time went" in html and "time to first byte" in html
+    assert "Time to first token" not in html
+
+
+def test_a_streamed_jobs_report_has_a_ttft_histogram_of_its_answers(
+    tmp_path: Path, db_url: str, ledger: Ledger, write_jsonl: Callable[..., Path]
+) -> None:
+    faults = Faults(seed=6, latency_s=0.01, latency_jitter_s=0.05, stream_chunk_delay_s=0.005, p_500=0.1)
+    with FakeProviderServer(faults) as streaming:
+        job_id = submit(ledger, make_spec(tmp_path, streaming, stream=True), write_jsonl(records(50)))
+        assert run(ledger, job_id).exit_code == ExitCode.OK
+        streamed_ok = sum(1 for r in streaming.log if r.stream and r.outcome == "ok")
+    data = orjson.loads(cli("report", str(job_id), "--json", "--db", db_url).stdout)
+    hist = data["ttft_histogram"]
+    assert streamed_ok == 50 and sum(hist["counts"]) + hist["overflow"] == streamed_ok == data["ttft_ms"]["count"]
+    assert hist["width_ms"] > 0 and hist["low_ms"] <= data["ttft_ms"]["p50"]
+    for p in ("p50", "p99"):  # the headers come before the first token, and that before the last byte
+        assert data["latency_split"]["ttfb_ms"][p] <= data["ttft_ms"][p] <= data["latency_split"]["latency_ms"][p]
+
+    text = cli("report", str(job_id), "--db", db_url).stdout
+    line = text.split("TTFT of streamed answers")[1]
+    assert re.search(r"\d+(\.\d)? ms \|[ ▁▂▃▄▅▆▇█]+\| \d+(\.\d)? ms", line) and "(50 answers" in line, line
+    page = tmp_path / "streamed.html"
+    cli("report", str(job_id), "--db", db_url, "--html", str(page))
+    parsed = _Page()
+    parsed.feed(page.read_text())
+    parsed.close()
+    assert parsed.tags["svg"] == 3  # latency, TTFT, throughput
+    ttft_bars = [t for svg, t in parsed.titles if svg.startswith("Time to first token")]
+    assert sum(int(re.search(r": ([\d,]+) requests", t)[1].replace(",", "")) for t in ttft_bars) == 50  # type: ignore[index]
