@@ -652,7 +652,7 @@ def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str
     if as_json:
         click.echo(orjson.dumps(data).decode())
         return
-    click.echo("\n".join(status_lines(data)))
+    click.echo("\n".join(status_lines(data, ledger_url=ledger.url)))
 
 
 @main.command(short_help="A job's full report (--html: a page with charts).")

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from batchrun.ledger import Ledger
-from batchrun.states import OPEN_STATES
+from batchrun.states import OPEN_STATES, job_state
 
 
 @dataclass(frozen=True)
@@ -37,19 +36,6 @@ class JobListing:
         ``input``, ``state``, ``total``, ``counts``."""
         return {"job_id": self.job_id, "name": self.name, "created_at": self.created_at, "model": self.model,
                 "input": self.input_path, "state": self.state, "total": self.total, "counts": self.counts}
-
-
-def job_state(counts: Mapping[str, int], ingest_done: bool = True) -> str:
-    """A job as a whole, from its counts: ``ingesting``, ``work left``, ``cancelled``, ``some failed`` or ``done``."""
-    if not ingest_done:
-        return "ingesting"
-    if sum(counts.get(state, 0) for state in OPEN_STATES):
-        return "work left"
-    if counts.get("cancelled", 0):
-        return "cancelled"
-    if counts.get("failed", 0) + counts.get("invalid_output", 0) + counts.get("rejected", 0):
-        return "some failed"
-    return "done"
 
 
 def list_jobs(ledger: Ledger) -> list[JobListing]:

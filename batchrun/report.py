@@ -27,7 +27,7 @@ from batchrun.errors import ExportError
 from batchrun.budget import budget_status
 from batchrun.export import write_atomic
 from batchrun.ledger import AttemptTotals, Distribution, ErrorGroup, JobRecord, Ledger, LedgerQueries, RunRow
-from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState
+from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState, job_state
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -106,6 +106,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "total": total,
         "finished": finished,
         "done": remaining == 0 and job.ingest_done,
+        "state": job_state(counts, job.ingest_done),  # as `list` says it: ingesting, work left, cancelled, ...
         "counts": counts,
         "cached": cached,  # succeeded items whose answer was reused from an earlier request (no request, no cost)
         "requests": totals.requests,
@@ -376,22 +377,31 @@ def _percentiles(d: dict[str, Any]) -> str:
     return "  ".join(f"p{p} {fmt_ms(d[f'p{p}'])}" for p in PERCENTILES) + f"  ({d['count']})"
 
 
-def status_lines(data: dict[str, Any]) -> list[str]:
-    """``batchrun status`` as text, one fact a line."""
+def state_note(data: dict[str, Any]) -> str:
+    """`` (done)``, `` (cancelled)``, `` (ingesting: ...)``... after the items' counts; none while work is left."""
+    state = data.get("state") or ("done" if data["done"] else "work left")
+    if state == "ingesting":
+        return " (ingesting: the input is still being read, the total grows)"
+    return "" if state == "work left" else f" ({state})"
+
+
+def status_lines(data: dict[str, Any], *, ledger_url: str | None = None) -> list[str]:
+    """``batchrun status`` as text, one fact a line; ``ledger_url`` aims the hints at the ledger shown."""
+    from batchrun.hints import command
+
     counts = data["counts"]
     tokens = data["tokens"]
     lines = [
         f"job {data['job_id']}{' (' + data['name'] + ')' if data['name'] else ''}: {data['input']}",
         f"  model     {data['model'] or '(as in each input line)'} at {data['base_url']}",
-        f"  items     {data['total']} total, {data['finished']} finished" + (" (done)" if data["done"] else ""),
+        f"  items     {data['total']} total, {data['finished']} finished" + state_note(data),
         "  states    " + "  ".join(f"{k} {v}" for k, v in counts.items()),
     ]
     run = data.get("run")
     live = run is not None and run["live"]
     if counts["running"] and not live:
-        lines.append(
-            f"  running   {counts['running']} left by a dead run, resume to continue: batchrun resume {data['job_id']}"
-        )
+        resume = command(ledger_url, "resume", data["job_id"]) if ledger_url else f"batchrun resume {data['job_id']}"
+        lines.append(f"  running   {counts['running']} left by a dead run, resume to continue: {resume}")
     if run is not None:
         lines.append("  run       " + run_line(run))
     if data.get("cached"):
@@ -671,7 +681,7 @@ def overview_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
         ("input", data["input"]),
         ("model", f"{data['model'] or '(as in each input line)'} at {data['base_url']}"),
         ("created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_at"]))),
-        ("items", f"{data['total']:,} total, {data['finished']:,} finished" + (" (done)" if data["done"] else "")),
+        ("items", f"{data['total']:,} total, {data['finished']:,} finished" + state_note(data)),
         ("states", "  ".join(f"{k} {v:,}" for k, v in counts.items() if v) or "no items"),
         *(
             [("reused", f"{data['cached']:,} succeeded from the response cache (no request, no cost)")]

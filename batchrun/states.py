@@ -99,6 +99,19 @@ class ExitCode(IntEnum):
     TEMPFAIL = 75  # stopped early with work left (signal, --max-runtime, job locked): resume later
 
 
+def job_state(counts: Mapping[str, int], ingest_done: bool = True) -> str:
+    """A job as a whole, from its counts: ``ingesting``, ``work left``, ``cancelled``, ``some failed`` or ``done``."""
+    if not ingest_done:
+        return "ingesting"
+    if sum(counts.get(state, 0) for state in OPEN_STATES):
+        return "work left"
+    if counts.get("cancelled", 0):
+        return "cancelled"
+    if counts.get("failed", 0) + counts.get("invalid_output", 0) + counts.get("rejected", 0):
+        return "some failed"
+    return "done"
+
+
 def exit_code_for(counts: Mapping[str, int], stop_reason: str | None, *, ingest_done: bool = True) -> ExitCode:
     """A run's exit code from its job's item counts and why it stopped."""
     if stop_reason in (StopReason.AUTH, StopReason.REFUSED):

@@ -33,6 +33,8 @@ def test_cancel_during_a_run_stops_sending_and_keeps_the_answers_in_flight(
     answered = sum(server.ok_by_key().values())
     assert status["counts"]["succeeded"] == answered  # every answer the server sent was recorded
     assert status["counts"]["succeeded"] + status["counts"]["cancelled"] == 200
+    text = run_cli(tmp_path, "status", "1", "--db", str(db)).stdout
+    assert status["state"] == "cancelled" and "finished (cancelled)" in text and "(done)" not in text, text
     said = cancelled.stdout.strip()
     assert said.startswith(f"{status['counts']['cancelled']} items of job 1 cancelled"), said  # the final figure
 

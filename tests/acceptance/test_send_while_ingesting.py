@@ -92,8 +92,10 @@ def test_a_request_goes_out_before_the_ingest_ends(tmp_path: Path, padded_server
         wait_until("the first request", lambda: padded_server.log)
         proc.send_signal(signal.SIGSTOP)  # hold it still while we look
         done, stored = job_row(db)
+        shown = run_cli(tmp_path, "status", "1", "--db", str(db)).stdout
         proc.send_signal(signal.SIGCONT)
         assert not done and stored < n, "the first request went out before the input was all stored"
+        assert "finished (ingesting: the input is still being read, the total grows)" in shown, shown
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         proc.kill()

@@ -70,7 +70,8 @@ def test_status_of_a_killed_run_says_it_is_dead(tmp_path: Path, server: FakeProv
 
     text = run_cli(tmp_path, "status", "1", "--db", str(db))
     assert text.returncode == 0, text.stderr
-    assert f"running   {left} left by a dead run, resume to continue: batchrun resume 1" in text.stdout
+    # the hint is for this ledger: pasted, it resumes this job, not the default ledger's job 1
+    assert f"running   {left} left by a dead run, resume to continue: batchrun resume 1 --db {db}\n" in text.stdout
     assert f"(pid {proc.pid} on " in text.stdout and "dead: no heartbeat for" in text.stdout
     assert "eta" not in text.stdout
 
@@ -85,3 +86,4 @@ def test_status_after_a_run_that_ended(tmp_path: Path, server: FakeProviderServe
     assert data["run"]["last"]["exit_code"] == 0 and data["run"]["last"]["command"] == "submit"  # type: ignore[index]
     text = run_cli(tmp_path, "status", "1", "--db", str(db)).stdout
     assert "ended (exit 0)" in text and "left by a dead run" not in text
+    assert "items     20 total, 20 finished (done)" in text and data["state"] == "done"
