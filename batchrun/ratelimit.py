@@ -359,6 +359,10 @@ class AimdRate:
     HOLD_S = 10.0
     GROW_PER_S = 4.0  # with no limit known after a 429: ×4 a second until the next 429 (at most 2× the answers)
     PROBE_PER_S = 0.01
+    # A limit learnt from 429s alone may be far under the real one (the first is read off answers that lag a
+    # fast-growing pace): probed up faster (bench/RESULTS.md, t3xbu).
+    PROBE_LEARNT_PER_S = 0.05
+    LEARNT_HOLD_S = 3.0  # ... and after a shorter quiet spell
     QUIET_SENDS = 250  # a 429 within this many sends of the last lowers the limit (~0.4% of requests)
     MIN_RATE = 0.05  # per second: one request every 20 s at the least
     CATCH_UP_S = 0.05  # sends a late wake-up may make up for (the 50 ms of burst TokenBucket had)
@@ -390,6 +394,7 @@ class AimdRate:
         self._catch_up_off_s = self.HOLD_S
         self._header_checks = 0
         self._short_window = False
+        self._headers_said = False  # a header gave the limit (then it is probed up slowly, if at all)
         self._lock = asyncio.Lock()
 
     @property
@@ -486,17 +491,26 @@ class AimdRate:
         target = self.limit * self.safety
         if self.rate < target:
             self.rate = min(target, self.rate + self.limit * self.RECOVER_PER_S * dt)
-        elif now - self._last_429 > self.HOLD_S and (self.cap is None or self.limit < self.cap):
-            self.rate *= (1.0 + self.PROBE_PER_S) ** min(dt, 1.0)
+        elif now - self._last_429 > self._hold_s() and (self.cap is None or self.limit < self.cap):
+            probe = self.PROBE_LEARNT_PER_S if self._learnt_from_429s_alone() else self.PROBE_PER_S
+            self.rate *= (1.0 + probe) ** min(dt, 1.0)
             self.limit = max(self.limit, self.rate / self.safety)
             if self.cap is not None and self.limit > self.cap:
                 self.limit, self.rate = self.cap, self.cap * self.safety
 
+    def _hold_s(self) -> float:
+        """How long without a 429 before the limit is probed up."""
+        return self.LEARNT_HOLD_S if self._learnt_from_429s_alone() else self.HOLD_S
+
+    def _learnt_from_429s_alone(self) -> bool:
+        """The limit paced towards is the 429s' word only: no ``rpm``, no header ever said one."""
+        return self.learned_from == "429s" and not self._headers_said
     def learn(self, limit: int | None, remaining: int | None, reset_s: float | None) -> None:
         """What a provider's request headers said: ``limit`` (per minute, as OpenAI and Anthropic
         mean it), ``remaining`` and ``reset_s`` (seconds until the budget is whole again)."""
         if self.cap is not None or limit is None or limit <= 0:
             return
+        self._headers_said = True
         if reset_s is not None and remaining is not None and remaining < limit:
             self._longest_reset = max(self._longest_reset, reset_s)
         per_second = limit / 60.0

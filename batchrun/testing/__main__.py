@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--rpm-burst", type=float, default=1.0, help="bucket: tokens it holds (default 1)")
     serve.add_argument("--retry-after-integer", action="store_true",
                        help="429s carry only an integer Retry-After (rounded up), no retry-after-ms")
+    serve.add_argument("--no-ratelimit-headers", action="store_true",
+                       help="enforce --rpm without sending x-ratelimit-* headers (429s are all a client learns)")
     serve.add_argument("--retry-after", type=float, default=1.0,
                        help="Retry-After seconds on random 429s (negative -> no header)")
     for name in ("429", "500", "503", "reset", "hang", "bad-body", "truncated", "overloaded",
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         rpm_shape=args.rpm_shape, rpm_burst=args.rpm_burst, retry_after_integer=args.retry_after_integer,
         seed=args.seed, p_overloaded=args.p_overloaded, p_stream_drop=args.p_stream_drop,
         p_stream_error=args.p_stream_error, stream_chunk_delay_s=args.stream_chunk_delay,
+        ratelimit_headers=not args.no_ratelimit_headers,
     )
     batch_faults = BatchFaults(
         turnaround_s=args.batch_turnaround, validating_s=args.batch_validating,

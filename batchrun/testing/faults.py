@@ -66,6 +66,9 @@ class Faults:
     # and the stream ends cleanly. Not streamed: a 500.
     p_stream_error: float = 0.0
     stream_chunk_delay_s: float = 0.0  # slept between a stream's content deltas
+    # False: rpm_limit is enforced without x-ratelimit-* / anthropic-ratelimit-* headers (the 429s are all
+    # a client learns, as from a proxy or a server that does not advertise its limit).
+    ratelimit_headers: bool = True
 
 
 @dataclass

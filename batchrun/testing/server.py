@@ -448,7 +448,7 @@ class FakeProviderServer:
                     f, u, now_m - self._t0, limiter, now_m, api.overloaded_status, stream)
                 if retry_after is not None:
                     extra = retry_after_headers(retry_after, integer=f.retry_after_integer)
-        if f.rpm_limit is not None:
+        if f.rpm_limit is not None and f.ratelimit_headers:
             reset_s = limiter.reset_s(f.rpm_limit, now_m, f.rpm_window_s)
             extra += shape.ratelimit_headers(
                 f.rpm_limit, limiter.remaining(f.rpm_limit, now_m, f.rpm_window_s), time.time() + reset_s,

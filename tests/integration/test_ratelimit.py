@@ -82,3 +82,16 @@ def test_a_token_bucket_of_burst_1_is_paced_without_being_told(
     rate, refused = paced_run(ledger, server, write_jsonl, 200)
     assert refused <= 0.1 * (200 + refused)
     assert 0.5 * PER_SECOND < rate <= PER_SECOND
+
+
+def test_a_token_bucket_of_burst_1_that_sends_no_headers_is_found_by_its_429s(
+    ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
+) -> None:
+    # No rpm and no x-ratelimit-* headers: the 429s (integer Retry-After) are all the run learns from.
+    # The first limit they give is read off answers that lag the growing pace (about half the real one);
+    # probed up at 1 %/s after 10 s of quiet it stayed there for the whole of this run (~10/s).
+    server.faults = Faults(latency_s=0.05, rpm_limit=PER_SECOND * 60, rpm_shape="bucket", rpm_burst=1.0,
+                           retry_after_integer=True, ratelimit_headers=False)
+    rate, refused = paced_run(ledger, server, write_jsonl, 500)
+    assert refused <= 0.1 * (500 + refused)
+    assert 0.65 * PER_SECOND < rate <= PER_SECOND

@@ -405,7 +405,7 @@ def test_an_unknown_limit_is_learnt_from_429s_and_probed_again_after_a_quiet_spe
     rate.slow_down()
     # The pace had grown past the limit before the 429 said so: the limit is what came back clean.
     assert rate.limit == pytest.approx(50, abs=1.5) and rate.rate == pytest.approx(rate.limit * 0.985)
-    for _ in range(int(AimdRate.HOLD_S / 0.02)):
+    for _ in range(int(AimdRate.LEARNT_HOLD_S / 0.02)):
         clock.t += 0.02
         rate.recover()
     assert rate.rate == pytest.approx(rate.limit * 0.985)  # held just under it
@@ -493,6 +493,25 @@ def test_idle_time_is_not_caught_up() -> None:
     clock.t += 5.0  # nothing to send for a while (a slow start, an empty queue)
     sent = send_times(rate, clock, 4)
     assert all(b - a >= 1 / 50 for a, b in zip(sent, sent[1:]))  # the first sends are spaced, not a burst
+
+
+def test_a_limit_learnt_low_from_429s_is_probed_back_up_within_seconds() -> None:
+    """The first limit read off a 429 with nothing known is what came back clean in the last
+    second, which lags a fast-growing pace: against a bucket of 50/s it was learnt at ~23/s and,
+    probed at 1 %/s after 10 s of quiet, took most of a 4,500-item run to climb back (t3xbu 50 %)."""
+    rate, clock = aimd(0)
+    for _ in range(12):  # 12 clean answers in the last second, nothing paced
+        clock.t += 0.08
+        rate.recover()
+    rate.slow_down()  # nothing known: the pace starts from what came back
+    clock.t += AimdRate.DECREASE_EVERY_S + 0.01
+    rate.slow_down()  # the next 429 sets the limit
+    assert rate.learned_from == "429s" and rate.limit is not None
+    learnt = rate.limit
+    for _ in range(20 * 50):  # 20 s of clean answers at 50 a second
+        clock.t += 0.02
+        rate.recover()
+    assert rate.rate is not None and rate.rate >= 1.5 * learnt * 0.985
 
 
 def test_aimd_with_nothing_known_after_one_429_grows_no_further_than_what_comes_back() -> None:
