@@ -345,7 +345,15 @@ class AimdRate:
     towards by a step (``safety``) each, even a configured one (a small bucket
     may need more room than its own spacing); ``HOLD_S`` without a 429 and it
     is probed up by ``PROBE_PER_S`` a second (never past ``rpm``), so a limit
-    that was raised, or lowered for jitter, is found again.
+    that was raised, or lowered for jitter, is found again. A limit only 429s
+    ever gave (no ``rpm``, no header) starts low, so it is probed sooner and
+    faster (``LEARNT_HOLD_S``, ``PROBE_LEARNT_PER_S``).
+
+    A token bucket of burst 1 is held near 80 %, not 95 %, on a shared machine:
+    it refuses two requests that *reach* it closer than its spacing, and a
+    request reaches it 0.2-8 ms after it was released here (aiohttp's write
+    task, the server's own scheduling), so 95 % of the limit (1 ms of margin
+    on 20 ms) draws 5-10 % 429s at any steady pace (bench/RESULTS.md, t3b).
 
     Sends are spaced at the pace (GCRA, ``CATCH_UP_S`` of catch-up after a late
     wake-up) and no ``n = int(limit)`` of them go within ``n / limit`` seconds
