@@ -26,14 +26,16 @@ import orjson
 from batchrun.errors import ExportError
 from batchrun.budget import budget_status
 from batchrun.export import write_atomic
-from batchrun.ledger import AttemptTotals, Distribution, ErrorGroup, JobRecord, Ledger, LedgerQueries, RunRow
+from batchrun.ledger.protocol import RunsReader, StatusReader, status_reader
+from batchrun.ledger.records import AttemptTotals, Distribution, ErrorGroup, JobRecord, RunRow, pid_alive
 from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rich.table import Table
 
-    from batchrun.ledger.shards import ShardRecord
+    from batchrun.ledger import Ledger, LedgerQueries
+    from batchrun.ledger.records import ShardRecord
 
 PERCENTILES = (50, 90, 99)
 # Attempt measures: total latency and TTFT of clean answers, queue wait of every request.
@@ -62,18 +64,18 @@ def _per_1k(value: float, items: int) -> float | None:
     return round(value * 1000.0 / items, 6) if items else None
 
 
-def job_status(ledger: Ledger, job_id: int) -> dict[str, Any]:
-    """The ``status --json`` object of one job.
+def job_status(ledger: Ledger | StatusReader, job_id: int) -> dict[str, Any]:
+    """The ``status --json`` object of one job, from an open ledger or a reader of one (the quick reader
+    of ``batchrun status``: batchrun/ledger/quick.py).
 
     ``job_id``, ``total`` and ``counts`` (one key per state) are the contract
     scripts read; everything else is added around them.
     """
-    return _status(ledger, job_id)[0]
+    return _status(status_reader(ledger), job_id)[0]
 
 
-def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Distribution], AttemptTotals]:
-    job = ledger.get_job(job_id)
-    queries = LedgerQueries(ledger.engine)
+def _status(queries: StatusReader, job_id: int) -> tuple[dict[str, Any], dict[str, Distribution], AttemptTotals]:
+    job = queries.get_job(job_id)
     counts = queries.counts(job_id)
     cached = queries.cached_count(job_id)
     totals = queries.attempt_totals(job_id)
@@ -124,7 +126,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "errors_by_class": _groups(by_class),
         "errors_by_status": _groups(queries.errors_by_status(job_id)),
         "attempts_histogram": histogram,
-        "batch": batch_status(ledger, job_id),
+        "batch": batch_status(queries, job_id),
         "as_of": time.time(),
     }
     return data, dists, totals
@@ -136,16 +138,14 @@ RUN_SILENT_S = 30.0  # a run not heard of for this long is shown as dead
 def _run_state(run: RunRow, now: float, stale_after: float) -> str:
     """``ended``, ``dead`` (its process is gone from this host, or its heartbeat is older than
     ``stale_after``) or ``live``."""
-    from batchrun.ledger.store import _pid_alive
-
     if run.ended_at is not None:
         return "ended"
-    if run.host == socket.gethostname() and not _pid_alive(run.pid):
+    if run.host == socket.gethostname() and not pid_alive(run.pid):
         return "dead"
     return "dead" if now - run.heartbeat_at > stale_after else "live"
 
 
-def run_status(queries: LedgerQueries, job: JobRecord) -> dict[str, Any] | None:
+def run_status(queries: RunsReader, job: JobRecord) -> dict[str, Any] | None:
     """The ``run`` object of ``status``: whether a run is at work on the job, and its latest run
     (None for a job no run has started)."""
     runs, now = queries.job_runs(job.id)
@@ -166,12 +166,10 @@ def run_status(queries: LedgerQueries, job: JobRecord) -> dict[str, Any] | None:
     }
 
 
-def batch_status(ledger: Ledger, job_id: int) -> dict[str, Any] | None:
+def batch_status(ledger: Ledger | StatusReader, job_id: int) -> dict[str, Any] | None:
     """Batch mode's part of ``status``: the job's shards, how its answers came, shard turnaround
     (None for a job that never had a shard)."""
-    from batchrun.ledger.shards import ShardLedger
-
-    shards = ShardLedger(ledger)
+    shards = status_reader(ledger)
     rows = shards.shards(job_id)
     if not rows:
         return None
@@ -259,7 +257,9 @@ def throughput_timeline(queries: LedgerQueries, job_id: int, start: float | None
 
 def job_report(ledger: Ledger, job_id: int) -> dict[str, Any]:
     """:func:`job_status` plus the latency histogram and throughput over time of the report."""
-    data, dists, totals = _status(ledger, job_id)
+    from batchrun.ledger import LedgerQueries
+
+    data, dists, totals = _status(status_reader(ledger), job_id)
     queries = LedgerQueries(ledger.engine)
     data["latency_histogram"] = latency_histogram(queries, job_id, dists["latency_ms"])
     data["throughput_timeline"] = throughput_timeline(queries, job_id, totals.first_started_at)
@@ -305,6 +305,8 @@ def compare_jobs(ledger: Ledger, job_a: int, job_b: int, *, examples: int = 5) -
     spec_a, spec_b = ledger.get_job(job_a).spec, ledger.get_job(job_b).spec
     status_a, status_b = job_status(ledger, job_a), job_status(ledger, job_b)
     column = "parsed" if spec_a.output.schema is not None and spec_b.output.schema is not None else "output"
+    from batchrun.ledger import LedgerQueries
+
     queries = LedgerQueries(ledger.engine)
     shared = queries.shared_outputs(job_a, job_b)
     differ = 0
@@ -498,7 +500,7 @@ def status_line(data: dict[str, Any]) -> str:
 
 
 def watch_status(
-    ledger: Ledger,
+    ledger: Ledger | StatusReader,
     job_id: int,
     *,
     interval: float,
