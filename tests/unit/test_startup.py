@@ -91,7 +91,7 @@ def test_status_and_list_read_a_sqlite_ledger_without_sqlalchemy(tmp_path: Path)
         modules = command_imports(*args, db=db)
         assert "batchrun.ledger.quick" in modules and "batchrun.report" in modules or args[0] == "list", args
         assert "batchrun.listing" in modules or args[0] == "status", args  # the check is not vacuous
-        assert loaded(modules, "sqlalchemy", "alembic", "httpx", "aiohttp", "rich", "jsonschema",
+        assert loaded(modules, "sqlalchemy", "alembic", "httpx", "aiohttp", "rich", "jsonschema", "asyncio",
                       "batchrun.ledger.store", "batchrun.scheduler", "batchrun.providers.http") == [], args
     # On a ledger of an older schema (here 0008, before the counts were kept) the same commands
     # go through the ledger, which upgrades it as before.
