@@ -87,7 +87,7 @@ class StatusReader(RunsReader, Protocol):
 
     :class:`batchrun.ledger.reading.LedgerReader` reads any ledger through SQLAlchemy;
     :class:`batchrun.ledger.quick.QuickReader` reads a SQLite ledger at the schema head with the
-    stdlib's ``sqlite3``, read-only, and starts ~0.3 s sooner. tests/integration/test_quick_status.py
+    stdlib's ``sqlite3``, read-only, and starts ~0.3 s sooner. tests/acceptance/test_quick_status.py
     checks the two give the same answers.
     """
 

@@ -10,7 +10,7 @@ returns a reader only when the ledger's schema is the head this code knows
 file it cannot read, it returns None and the command goes through SQLAlchemy as before.
 
 Each method asks what :class:`~batchrun.ledger.queries.LedgerQueries` asks, in the same SQL,
-and folds the rows with the same steps (records.py); tests/integration/test_quick_status.py
+and folds the rows with the same steps (records.py); tests/acceptance/test_quick_status.py
 checks that ``status`` and ``list`` print the same bytes through both.
 """
 
