@@ -19,7 +19,7 @@ from batchrun.ledger.quick import QuickReader, open_quick_reader
 from batchrun.ledger.reading import LedgerReader
 from batchrun.listing import LIST_HEADER, list_jobs, list_line
 from batchrun.report import job_status, status_lines
-from batchrun.testing import FakeProviderServer, Faults
+from batchrun.testing import BatchFaults, FakeProviderServer, Faults
 
 from .conftest import run_cli, start_cli
 from .test_kill_resume import write_batch_input
@@ -27,6 +27,7 @@ from .test_status_cli import wait_for_running
 
 # What depends on the moment it is read (a clock, or how long ago a heartbeat was), left out of CLI output.
 MOMENT_KEYS = ("as_of", "heartbeat_age_s", "age_s")
+MOMENT_LINES = ("  run ", "    shard ")
 
 SPEC = """
 name = "streamed"
@@ -53,6 +54,19 @@ budget_usd = 5.0
 """
 
 
+BATCH_SPEC = """
+[provider]
+base_url = "{base_url}"
+model = "gpt-4o-mini"
+[request]
+template = "Say {{text}}"
+max_tokens = 30
+[batch]
+poll_interval = 0.1
+poll_max = 0.3
+"""
+
+
 def submit(tmp_path: Path, *args: str, code: int = 0) -> None:
     proc = run_cli(tmp_path, "submit", *args, "--quiet")
     assert proc.returncode == code, proc.stderr
@@ -60,9 +74,9 @@ def submit(tmp_path: Path, *args: str, code: int = 0) -> None:
 
 @pytest.fixture(scope="module")
 def ledger_of_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A ledger with four jobs: 1 streamed, retried, some failed, a bad line, a budget; 2 stopped by the
+    """A ledger with six jobs: 1 streamed, retried, some failed, a bad line, a budget; 2 stopped by the
     provider refusing its first requests (400); 3 killed mid-run (a dead run, items left running);
-    4 submitted, never run."""
+    4 submitted, never run; 5 in batch mode, collected; 6 in batch mode, its shard at the provider."""
     tmp_path = tmp_path_factory.mktemp("quick")
     db = tmp_path / "ledger.db"
     with FakeProviderServer(Faults(seed=7)) as server:
@@ -96,6 +110,14 @@ def ledger_of_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         never = tmp_path / "never.jsonl"
         write_batch_input(never, 5, pad=" never")
         submit(tmp_path, "--input", str(never), "--base-url", server.base_url, "--db", str(db), "--no-run")
+    # Batch mode: one job whose shard came back and was collected, one whose shard is still at the provider.
+    for n, turnaround, wait, code in ((6, 0.2, "--wait", 0), (9, 60.0, "--no-wait", 75)):
+        with FakeProviderServer(Faults(seed=1), batch_faults=BatchFaults(turnaround_s=turnaround, seed=1)) as server:
+            spec = tmp_path / f"batch{n}.toml"
+            spec.write_text(BATCH_SPEC.format(base_url=server.base_url))
+            data = tmp_path / f"batch{n}.jsonl"
+            data.write_bytes(b"".join(orjson.dumps({"id": f"b{i}", "text": f"hello {i}"}) + b"\n" for i in range(n)))
+            submit(tmp_path, str(spec), "--input", str(data), "--mode", "batch", wait, "--db", str(db), code=code)
     yield db
 
 
@@ -117,7 +139,7 @@ def test_status_and_list_are_the_same_through_both_readers(ledger_of_jobs: Path,
     sql, quick, ledger = both_readers(ledger_of_jobs)
     try:
         seen = []
-        for job_id in (1, 2, 3, 4):
+        for job_id in (1, 2, 3, 4, 5, 6):
             via_sql, via_quick = job_status(sql, job_id), job_status(quick, job_id)
             assert orjson.dumps(via_quick) == orjson.dumps(via_sql), job_id
             assert status_lines(via_quick) == status_lines(via_sql), job_id
@@ -128,17 +150,20 @@ def test_status_and_list_are_the_same_through_both_readers(ledger_of_jobs: Path,
         quick.close()
         ledger.close()
     # The ledger holds what the comparison is meant to cover.
-    streamed, refused, killed, never = seen
+    streamed, refused, killed, never, collected, at_provider = seen
     assert streamed["ttft_ms"]["count"] > 0 and streamed["retried"] and streamed["counts"]["failed"] > 0
     assert streamed["counts"]["rejected"] == 1 and streamed["budget"] is not None and streamed["errors_by_status"]
     assert refused["counts"]["pending"] == 12 and refused["errors_by_status"]["400"]["attempts"] >= 3
     assert killed["counts"]["running"] > 0 and killed["run"]["last"]["state"] == "dead" and killed["eta_s"] is None
     assert never["run"]["last"]["command"] == "ingest" and never["counts"]["pending"] == 5
+    assert collected["batch"]["answered"]["batch"] == 6 and collected["batch"]["turnaround_s"]["p50"] is not None
+    assert at_provider["batch"]["at_provider"] == 9 and at_provider["batch"]["shards"][0]["eta_s"] is not None
 
 
 def without_moments(value: object) -> object:
     if isinstance(value, dict):
-        return {k: without_moments(v) for k, v in value.items() if k not in MOMENT_KEYS}
+        moments = (*MOMENT_KEYS, "eta_s") if "shard" in value else MOMENT_KEYS  # a shard's eta counts from now
+        return {k: without_moments(v) for k, v in value.items() if k not in moments}
     if isinstance(value, list):
         return [without_moments(v) for v in value]
     return value
@@ -148,23 +173,24 @@ def test_the_commands_print_what_the_ledger_says(ledger_of_jobs: Path, tmp_path:
     """The CLI (which takes the quick reader here: tests/unit/test_startup.py) against SQLAlchemy's answers."""
     db = str(ledger_of_jobs)
     with Ledger.open(db) as ledger:
-        expected = {job_id: job_status(ledger, job_id) for job_id in (1, 2, 3, 4)}
+        expected = {job_id: job_status(ledger, job_id) for job_id in (1, 2, 3, 4, 5, 6)}
         listed = list_jobs(ledger)
     for job_id, data in expected.items():
         proc = run_cli(tmp_path, "status", str(job_id), "--json", "--db", db)
         assert proc.returncode == 0, proc.stderr
         assert without_moments(orjson.loads(proc.stdout)) == without_moments(data)
         text = run_cli(tmp_path, "status", str(job_id), "--db", db).stdout.splitlines()
-        # Every line but the run's (its heartbeat age is of the moment it is read).
-        assert [line for line in text if not line.startswith("  run ")] == [
-            line for line in status_lines(data) if not line.startswith("  run ")
+        # Every line but the run's and a shard's (a heartbeat's or a shard's age is of the moment it is read).
+        assert [line for line in text if not line.startswith(MOMENT_LINES)] == [
+            line for line in status_lines(data) if not line.startswith(MOMENT_LINES)
         ]
+        assert len(text) == len(status_lines(data))
     killed = run_cli(tmp_path, "status", "3", "--db", db).stdout
     running = expected[3]["counts"]["running"]
     assert f"running   {running} left by a dead run, resume to continue: batchrun resume 3" in killed
     assert "dead: no heartbeat for" in killed and "eta" not in killed
     newest = orjson.loads(run_cli(tmp_path, "status", "--json", "--db", db).stdout)  # no JOB: the newest job
-    assert without_moments(newest) == without_moments(expected[4])
+    assert without_moments(newest) == without_moments(expected[6])
     assert run_cli(tmp_path, "list", "--db", db).stdout == "\n".join([LIST_HEADER, *map(list_line, listed)]) + "\n"
     assert orjson.loads(run_cli(tmp_path, "list", "--json", "--db", db).stdout) == [job.to_json() for job in listed]
 
