@@ -22,6 +22,7 @@ from batchrun.report import job_status, status_lines
 from batchrun.testing import BatchFaults, FakeProviderServer, Faults
 
 from .conftest import run_cli, start_cli
+from .test_batch_cli import SPEC as BATCH_SPEC
 from .test_kill_resume import write_batch_input
 from .test_status_cli import wait_for_running
 
@@ -51,19 +52,6 @@ concurrency = 4
 max_attempts = 2
 stream = true
 budget_usd = 5.0
-"""
-
-
-BATCH_SPEC = """
-[provider]
-base_url = "{base_url}"
-model = "gpt-4o-mini"
-[request]
-template = "Say {{text}}"
-max_tokens = 30
-[batch]
-poll_interval = 0.1
-poll_max = 0.3
 """
 
 
