@@ -92,7 +92,7 @@ def _status(queries: StatusReader, job_id: int) -> tuple[dict[str, Any], dict[st
     remaining = sum(counts[s] for s in OPEN_STATES)
     worked = answered + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
     histogram = {"0": total - sum(per_item.values())} | {str(n): per_item[n] for n in sorted(per_item)}
-    dists = {m: queries.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
+    dists = queries.attempt_distributions(job_id, tuple(MEASURES), PERCENTILES)
     run = run_status(queries, job)
     live = run is not None and run["live"]
     data = {

@@ -40,6 +40,11 @@ class LedgerReader:
     def attempt_distribution(self, job_id: int, measure: str, percentiles: Sequence[int] = (50, 90, 99)) -> Distribution:
         return self.queries.attempt_distribution(job_id, measure, percentiles)
 
+    def attempt_distributions(
+        self, job_id: int, measures: Sequence[str], percentiles: Sequence[int] = (50, 90, 99)
+    ) -> dict[str, Distribution]:
+        return {m: self.queries.attempt_distribution(job_id, m, percentiles) for m in measures}
+
     def errors_by_class(self, job_id: int) -> list[ErrorGroup]:
         return self.queries.errors_by_class(job_id)
 
