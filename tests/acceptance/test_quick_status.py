@@ -221,3 +221,13 @@ def test_a_postgresql_ledger_is_read_through_sqlalchemy(pg_url: str, tmp_path: P
     assert orjson.loads(proc.stdout)["job_id"] == job_id
     listed = orjson.loads(run_cli(tmp_path, "list", "--json", "--db", env_db).stdout)
     assert [job["job_id"] for job in listed] == [job_id]
+
+
+def test_a_distribution_read_on_its_own_thread_raises_in_the_caller(ledger_of_jobs: Path) -> None:
+    reader = open_quick_reader(str(ledger_of_jobs))
+    assert reader is not None
+    with reader:
+        both = reader.attempt_distributions(1, ("latency_ms", "ttft_ms"))
+        assert both["ttft_ms"] == reader.attempt_distribution(1, "ttft_ms") and both["ttft_ms"].count > 0
+        with pytest.raises(ValueError, match="cost_usd"):
+            reader.attempt_distributions(1, ("latency_ms", "cost_usd"))
