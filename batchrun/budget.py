@@ -28,7 +28,6 @@ sent them: a later run starts again from the ledger's figure.
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,9 @@ from batchrun.pricing import Price
 from batchrun.provider_registry import MAX_TOKENS_PARAMS
 from batchrun.spec import JobSpec
 
-if TYPE_CHECKING:  # status and report import this module: keep the HTTP stack out of their start-up
+if TYPE_CHECKING:  # status and report import this module: keep the HTTP stack (and asyncio, ~30 ms) out of their start-up
+    import asyncio
+
     from batchrun.providers import Reply
 
 # Admission keeps this share of the budget unused, so float rounding (our running total
@@ -160,6 +161,8 @@ class SpendBudget:
                 self._open += 1
                 self._wake()  # the next in line may fit as well
                 return amount
+            import asyncio  # here: status imports this module for budget_status, and starts without asyncio
+
             waiter = asyncio.get_running_loop().create_future()
             if queued:
                 self._waiters.appendleft(waiter)  # keep its place at the head of the line

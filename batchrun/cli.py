@@ -6,11 +6,12 @@ plain path is a SQLite file. Exit codes are those of DESIGN.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,7 +38,7 @@ from batchrun.tabular import INPUT_FORMATS
 
 if TYPE_CHECKING:
     from batchrun.batch import BatchOptions
-    from batchrun.ledger import Ledger
+    from batchrun.ledger import Ledger, StatusReader
     from batchrun.jobs import DryRun, PreparedJob
     from batchrun.submission import OnStart, SubmitResult
 
@@ -177,14 +178,34 @@ def _open(db: str | None, *, existing: bool = False) -> Ledger:
     """The ledger; ``existing``: a command that needs a job refuses a SQLite file that does not exist
     (instead of creating an empty ledger only to say the job is not there)."""
     if existing:
-        url = resolve_db_url(db)
-        path = Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
-        if path is not None and not path.exists():
-            raise UsageError(f"no ledger at {path}: the file does not exist (nothing was created); "
-                             "name the job's ledger with --db PATH or BATCHRUN_DB")
+        _refuse_missing(db)
     from batchrun.ledger import Ledger
 
     return Ledger.open(db)
+
+
+def _refuse_missing(db: str | None) -> None:
+    url = resolve_db_url(db)
+    path = Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+    if path is not None and not path.exists():
+        raise UsageError(f"no ledger at {path}: the file does not exist (nothing was created); "
+                         "name the job's ledger with --db PATH or BATCHRUN_DB")
+
+
+@contextlib.contextmanager
+def _read_only(db: str | None) -> Iterator[Ledger | StatusReader]:
+    """What ``status`` and ``list`` read: a SQLite ledger at the schema head through the quick reader
+    (the stdlib's sqlite3, read-only: no SQLAlchemy to import), any other through the ledger."""
+    _refuse_missing(db)
+    from batchrun.ledger.quick import open_quick_reader
+
+    quick = open_quick_reader(db)
+    if quick is not None:
+        with quick:
+            yield quick
+        return
+    with _open(db, existing=True) as ledger:
+        yield ledger
 
 
 def _apply_log_level(ctx: click.Context) -> None:
@@ -608,7 +629,7 @@ def resume(job: int, output: str | None, fmt: str | None, errors: str | None, fo
     _show_result(result, as_json=as_json, ledger_url=ledger.url)
 
 
-def _latest_job(ledger: Ledger) -> int:
+def _latest_job(ledger: Ledger | StatusReader) -> int:
     listed = ledger.list_jobs()
     if not listed:
         raise UsageError(f"no jobs in ledger {ledger.url}")
@@ -639,20 +660,22 @@ def status(job: int | None, as_json: bool, watch: bool, interval: float, db: str
     """
     from batchrun.report import job_status, status_lines, watch_status
 
-    with _open(db, existing=True) as ledger:
-        job_id = job if job is not None else _latest_job(ledger)
-        if watch:
+    if watch:
+        with _open(db, existing=True) as ledger:
+            job_id = job if job is not None else _latest_job(ledger)
             mode = "json" if as_json else "live" if sys.stdout.isatty() else "line"
             try:
                 watch_status(ledger, job_id, interval=interval, out=sys.stdout, mode=mode)
             except KeyboardInterrupt:
                 sys.exit(130)  # the shell's code for Ctrl-C; the job itself is untouched
             return
-        data = job_status(ledger, job_id)
+    with _read_only(db) as reader:
+        data = job_status(reader, job if job is not None else _latest_job(reader))
+        ledger_url = reader.url
     if as_json:
         click.echo(orjson.dumps(data).decode())
         return
-    click.echo("\n".join(status_lines(data, ledger_url=ledger.url)))
+    click.echo("\n".join(status_lines(data, ledger_url=ledger_url)))
 
 
 @main.command(short_help="A job's full report (--html: a page with charts).")
@@ -737,8 +760,8 @@ def list_jobs(as_json: bool, db: str | None) -> None:
     from batchrun.listing import LIST_HEADER, list_line
     from batchrun.listing import list_jobs as listed_jobs
 
-    with _open(db, existing=True) as ledger:
-        listed = listed_jobs(ledger)
+    with _read_only(db) as reader:
+        listed = listed_jobs(reader)
     if as_json:
         click.echo(orjson.dumps([job.to_json() for job in listed]).decode())
         return

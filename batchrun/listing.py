@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from batchrun.ledger import Ledger
+from batchrun.ledger.protocol import StatusReader, status_reader
 from batchrun.states import OPEN_STATES, job_state
+
+if TYPE_CHECKING:
+    from batchrun.ledger import Ledger
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,10 @@ class JobListing:
                 "input": self.input_path, "state": self.state, "total": self.total, "counts": self.counts}
 
 
-def list_jobs(ledger: Ledger) -> list[JobListing]:
-    """Every job of the ledger, oldest first."""
+def list_jobs(ledger: Ledger | StatusReader) -> list[JobListing]:
+    """Every job of the ledger (or of a reader of one: ``batchrun list``'s quick reader), oldest first."""
     return [JobListing(job.id, job.name, job.input_path, counts, job.created_at, job.spec.provider.model,
-                       job.ingest_done) for job, counts in ledger.list_jobs()]
+                       job.ingest_done) for job, counts in status_reader(ledger).list_jobs()]
 
 
 _ROW = "{:>5}  {:<16}  {:<21}  {:<11}  {:>8}  {:>9}  {:>7}  {:>7}  {:>8}  {}"

@@ -26,14 +26,16 @@ import orjson
 from batchrun.errors import ExportError
 from batchrun.budget import budget_status
 from batchrun.export import write_atomic
-from batchrun.ledger import AttemptTotals, Distribution, ErrorGroup, JobRecord, Ledger, LedgerQueries, RunRow
+from batchrun.ledger.protocol import RunsReader, StatusReader, status_reader
+from batchrun.ledger.records import AttemptTotals, Distribution, ErrorGroup, JobRecord, RunRow, pid_alive
 from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState, job_state
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rich.table import Table
 
-    from batchrun.ledger.shards import ShardRecord
+    from batchrun.ledger import Ledger, LedgerQueries
+    from batchrun.ledger.records import ShardRecord
 
 PERCENTILES = (50, 90, 99)
 # Attempt measures: total latency and TTFT of clean answers, queue wait of every request.
@@ -65,18 +67,18 @@ def _per_1k(value: float, items: int) -> float | None:
     return round(value * 1000.0 / items, 6) if items else None
 
 
-def job_status(ledger: Ledger, job_id: int) -> dict[str, Any]:
-    """The ``status --json`` object of one job.
+def job_status(ledger: Ledger | StatusReader, job_id: int) -> dict[str, Any]:
+    """The ``status --json`` object of one job, from an open ledger or a reader of one (the quick reader
+    of ``batchrun status``: batchrun/ledger/quick.py).
 
     ``job_id``, ``total`` and ``counts`` (one key per state) are the contract
     scripts read; everything else is added around them.
     """
-    return _status(ledger, job_id)[0]
+    return _status(status_reader(ledger), job_id)[0]
 
 
-def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Distribution], AttemptTotals]:
-    job = ledger.get_job(job_id)
-    queries = LedgerQueries(ledger.engine)
+def _status(queries: StatusReader, job_id: int) -> tuple[dict[str, Any], dict[str, Distribution], AttemptTotals]:
+    job = queries.get_job(job_id)
     counts = queries.counts(job_id)
     cached = queries.cached_count(job_id)
     totals = queries.attempt_totals(job_id)
@@ -93,7 +95,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
     remaining = sum(counts[s] for s in OPEN_STATES)
     worked = answered + counts[ItemState.FAILED] + counts[ItemState.INVALID_OUTPUT]
     histogram = {"0": total - sum(per_item.values())} | {str(n): per_item[n] for n in sorted(per_item)}
-    dists = {m: queries.attempt_distribution(job_id, m, PERCENTILES) for m in MEASURES}
+    dists = queries.attempt_distributions(job_id, tuple(MEASURES), PERCENTILES)
     run = run_status(queries, job)
     live = run is not None and run["live"]
     data = {
@@ -128,7 +130,7 @@ def _status(ledger: Ledger, job_id: int) -> tuple[dict[str, Any], dict[str, Dist
         "errors_by_class": _groups(by_class),
         "errors_by_status": _groups(queries.errors_by_status(job_id)),
         "attempts_histogram": histogram,
-        "batch": batch_status(ledger, job_id),
+        "batch": batch_status(queries, job_id),
         "as_of": time.time(),
     }
     return data, dists, totals
@@ -140,16 +142,14 @@ RUN_SILENT_S = 30.0  # a run not heard of for this long is shown as dead
 def _run_state(run: RunRow, now: float, stale_after: float) -> str:
     """``ended``, ``dead`` (its process is gone from this host, or its heartbeat is older than
     ``stale_after``) or ``live``."""
-    from batchrun.ledger.store import _pid_alive
-
     if run.ended_at is not None:
         return "ended"
-    if run.host == socket.gethostname() and not _pid_alive(run.pid):
+    if run.host == socket.gethostname() and not pid_alive(run.pid):
         return "dead"
     return "dead" if now - run.heartbeat_at > stale_after else "live"
 
 
-def run_status(queries: LedgerQueries, job: JobRecord) -> dict[str, Any] | None:
+def run_status(queries: RunsReader, job: JobRecord) -> dict[str, Any] | None:
     """The ``run`` object of ``status``: whether a run is at work on the job, and its latest run
     (None for a job no run has started)."""
     runs, now = queries.job_runs(job.id)
@@ -170,12 +170,10 @@ def run_status(queries: LedgerQueries, job: JobRecord) -> dict[str, Any] | None:
     }
 
 
-def batch_status(ledger: Ledger, job_id: int) -> dict[str, Any] | None:
+def batch_status(ledger: Ledger | StatusReader, job_id: int) -> dict[str, Any] | None:
     """Batch mode's part of ``status``: the job's shards, how its answers came, shard turnaround
     (None for a job that never had a shard)."""
-    from batchrun.ledger.shards import ShardLedger
-
-    shards = ShardLedger(ledger)
+    shards = status_reader(ledger)
     rows = shards.shards(job_id)
     if not rows:
         return None
@@ -267,7 +265,9 @@ def job_report(ledger: Ledger, job_id: int) -> dict[str, Any]:
     """:func:`job_status` plus what only the report shows: the latency histogram, the TTFT histogram
     of streamed answers (None: none streamed), throughput over time, and the split of clean answers'
     time into queue wait, time to first byte and time to last byte (P50/P99)."""
-    data, dists, totals = _status(ledger, job_id)
+    from batchrun.ledger import LedgerQueries
+
+    data, dists, totals = _status(status_reader(ledger), job_id)
     queries = LedgerQueries(ledger.engine)
     data["latency_histogram"] = latency_histogram(queries, job_id, dists["latency_ms"])
     data["ttft_histogram"] = latency_histogram(queries, job_id, dists["ttft_ms"], measure="ttft_ms")
@@ -318,6 +318,8 @@ def compare_jobs(ledger: Ledger, job_a: int, job_b: int, *, examples: int = 5) -
     spec_a, spec_b = ledger.get_job(job_a).spec, ledger.get_job(job_b).spec
     status_a, status_b = job_status(ledger, job_a), job_status(ledger, job_b)
     column = "parsed" if spec_a.output.schema is not None and spec_b.output.schema is not None else "output"
+    from batchrun.ledger import LedgerQueries
+
     queries = LedgerQueries(ledger.engine)
     shared = queries.shared_outputs(job_a, job_b)
     differ = 0
@@ -520,7 +522,7 @@ def status_line(data: dict[str, Any]) -> str:
 
 
 def watch_status(
-    ledger: Ledger,
+    ledger: Ledger | StatusReader,
     job_id: int,
     *,
     interval: float,

@@ -24,18 +24,10 @@ if TYPE_CHECKING:
     from batchrun.ledger.engine import LEDGER_RETRY_SECONDS
     from batchrun.ledger.facade import AsyncLedger, ride_out
     from batchrun.ledger.protocol import RunLedger
-    from batchrun.ledger.queries import (
-        AttemptRow,
-        AttemptTotals,
-        Distribution,
-        ErrorGroup,
-        ItemDetail,
-        ItemRow,
-        LedgerQueries,
-        RunRow,
-        SharedOutputs,
-    )
-    from batchrun.ledger.store import AttemptRecord, CachedAnswer, ClaimedItem, JobRecord, Ledger, Outcome
+    from batchrun.ledger.protocol import StatusReader
+    from batchrun.ledger.queries import AttemptRow, ItemDetail, ItemRow, LedgerQueries, SharedOutputs
+    from batchrun.ledger.records import AttemptTotals, Distribution, ErrorGroup, JobRecord, RunRow
+    from batchrun.ledger.store import AttemptRecord, CachedAnswer, ClaimedItem, Ledger, Outcome
 
 # name -> the module that defines it
 _LAZY = {
@@ -43,14 +35,11 @@ _LAZY = {
     "AsyncLedger": "batchrun.ledger.facade",
     "ride_out": "batchrun.ledger.facade",
     "RunLedger": "batchrun.ledger.protocol",
-    **dict.fromkeys(
-        ("AttemptRow", "AttemptTotals", "Distribution", "ErrorGroup", "ItemDetail", "ItemRow", "LedgerQueries",
-         "RunRow", "SharedOutputs"),
-        "batchrun.ledger.queries",
-    ),
-    **dict.fromkeys(
-        ("AttemptRecord", "CachedAnswer", "ClaimedItem", "JobRecord", "Ledger", "Outcome"), "batchrun.ledger.store"
-    ),
+    "StatusReader": "batchrun.ledger.protocol",
+    **dict.fromkeys(("AttemptRow", "ItemDetail", "ItemRow", "LedgerQueries", "SharedOutputs"), "batchrun.ledger.queries"),
+    # SQLAlchemy-free: what status and list read, whichever reader reads it
+    **dict.fromkeys(("AttemptTotals", "Distribution", "ErrorGroup", "JobRecord", "RunRow"), "batchrun.ledger.records"),
+    **dict.fromkeys(("AttemptRecord", "CachedAnswer", "ClaimedItem", "Ledger", "Outcome"), "batchrun.ledger.store"),
 }
 
 
@@ -84,6 +73,7 @@ __all__ = [
     "RunLedger",
     "RunRow",
     "SharedOutputs",
+    "StatusReader",
     "database_error_line",
     "default_db_path",
     "is_database_error",

@@ -8,6 +8,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# The newest migration under migrations/versions (a test checks they agree). Knowing it lets an
+# up-to-date ledger open without importing Alembic (~0.6 s), and tells the read-only quick reader
+# (quick.py) whether it knows the schema: a ledger at any other revision goes through SQLAlchemy.
+SCHEMA_HEAD = "0010"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
 # What `batchrun show --where` can choose items by: columns of the items table.
 SHOW_FILTERS = ("state", "error_class", "status_code", "custom_id")
 # What `batchrun retry --where` may narrow the items to send again by.

@@ -14,18 +14,16 @@ from sqlalchemy.pool import QueuePool
 
 from batchrun.bundled import bundled_dir
 from batchrun.errors import LedgerError
+from batchrun.ledger.basics import SCHEMA_HEAD as SCHEMA_HEAD  # both live in basics.py (SQLAlchemy-free)
+from batchrun.ledger.basics import SQLITE_BUSY_TIMEOUT_MS as SQLITE_BUSY_TIMEOUT_MS
 from batchrun.ledger.basics import database_error_line
 from batchrun.ledger.basics import resolve_db_url as resolve_db_url  # where tests and tools have found it
 from batchrun.ledger.models import metadata
 
-SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_IDLE_IN_TRANSACTION_S = 10.0  # PostgreSQL ends a session idle this long inside a transaction
 WRITE_OPTION = "batchrun_write"  # execution option marking a write transaction
 _UPGRADE_LOCK = threading.Lock()
 _MIGRATION_LOCK_KEY = 0x6261746368  # "batch": the PostgreSQL advisory lock around migrations
-# The newest migration under migrations/versions (a test checks they agree). Knowing it
-# here lets an up-to-date ledger open without importing Alembic, which costs ~0.6 s.
-SCHEMA_HEAD = "0010"
 
 
 def alembic_config() -> Any:

@@ -1,5 +1,5 @@
 """What a run needs of a ledger: :class:`RunLedger`, the plug point :class:`~batchrun.scheduler.JobRunner`
-is typed against.
+is typed against; and what ``status`` and ``list`` read of one: :class:`StatusReader`.
 
 :class:`~batchrun.ledger.store.Ledger` is the real one (SQLite, PostgreSQL);
 :class:`batchrun.testing.ledger.InMemoryLedger` is the stand-in the runner's unit tests
@@ -10,10 +10,11 @@ the stand-in cannot drift from the real thing.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from batchrun.ledger.store import AttemptRecord, CachedAnswer, ClaimedItem, JobRecord, Outcome
+    from batchrun.ledger.records import AttemptTotals, Distribution, ErrorGroup, JobRecord, RunRow, ShardRecord
+    from batchrun.ledger.store import AttemptRecord, CachedAnswer, ClaimedItem, Ledger, Outcome
 
 
 class RunLedger(Protocol):
@@ -73,3 +74,60 @@ class RunLedger(Protocol):
     def find_cached(self, keys: Collection[str]) -> dict[str, CachedAnswer]: ...
 
     def record(self, run_id: str, outcomes: Sequence[Outcome], attempts: Sequence[AttemptRecord]) -> None: ...
+
+
+class RunsReader(Protocol):
+    def job_runs(self, job_id: int) -> tuple[list[RunRow], float]: ...
+
+
+@runtime_checkable
+class StatusReader(RunsReader, Protocol):
+    """What ``status`` and ``list`` read of a ledger (:func:`batchrun.report.job_status` builds the answer
+    from these, whichever reader gives them).
+
+    :class:`batchrun.ledger.reading.LedgerReader` reads any ledger through SQLAlchemy;
+    :class:`batchrun.ledger.quick.QuickReader` reads a SQLite ledger at the schema head with the
+    stdlib's ``sqlite3``, read-only, and starts ~0.3 s sooner. tests/acceptance/test_quick_status.py
+    checks the two give the same answers.
+    """
+
+    url: str
+
+    def get_job(self, job_id: int) -> JobRecord: ...
+
+    def list_jobs(self) -> list[tuple[JobRecord, dict[str, int]]]: ...
+
+    def counts(self, job_id: int) -> dict[str, int]: ...
+
+    def cached_count(self, job_id: int) -> int: ...
+
+    def attempt_totals(self, job_id: int) -> AttemptTotals: ...
+
+    def attempt_distribution(self, job_id: int, measure: str, percentiles: Sequence[int] = (50, 90, 99)) -> Distribution: ...
+
+    def attempt_distributions(
+        self, job_id: int, measures: Sequence[str], percentiles: Sequence[int] = (50, 90, 99)
+    ) -> dict[str, Distribution]:
+        """:meth:`attempt_distribution` of each of ``measures`` (a reader may read them side by side)."""
+        ...
+
+    def errors_by_class(self, job_id: int) -> list[ErrorGroup]: ...
+
+    def errors_by_status(self, job_id: int) -> list[ErrorGroup]: ...
+
+    def requests_per_item(self, job_id: int) -> dict[int, int]: ...
+
+    def shards(self, job_id: int) -> list[ShardRecord]: ...
+
+    def turnarounds(self, kind: str, limit: int = 200) -> list[float]: ...
+
+    def answered_by_route(self, job_id: int) -> dict[str, int]: ...
+
+
+def status_reader(ledger: Ledger | StatusReader) -> StatusReader:
+    """What status and list read of ``ledger``: itself if it is a reader, else its SQLAlchemy reader."""
+    if isinstance(ledger, StatusReader):
+        return ledger
+    from batchrun.ledger.reading import LedgerReader
+
+    return LedgerReader(ledger)

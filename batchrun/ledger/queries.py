@@ -34,6 +34,22 @@ from batchrun.ledger.models import item_columns
 from batchrun.ledger.models import item_counts as counts_t
 from batchrun.ledger.models import items as items_t
 from batchrun.ledger.models import runs as runs_t
+from batchrun.ledger.records import (
+    ANY_STATUS,
+    MEASURE_TOTALS,
+    RUN_COLUMNS,
+    AttemptTotals,
+    Distribution,
+    ErrorGroup,
+    RunRow,
+    attempt_statuses,
+    attempt_totals,
+    class_groups,
+    distribution,
+    fill_examples,
+    rank_step,
+    status_groups,
+)
 from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState, no_counts
 
 
@@ -60,42 +76,6 @@ class ItemRow:
     cost_usd: float | None = None
     cached_from: int | None = None  # the answer was reused from this item (the response cache)
     finished_at: float | None = None
-
-
-@dataclass(frozen=True)
-class AttemptTotals:
-    """What a job's attempts add up to (every HTTP request, clean or not)."""
-
-    requests: int
-    clean: int  # answered without a transport or HTTP error
-    input_tokens: int
-    output_tokens: int
-    cached_tokens: int
-    cost_usd: float
-    first_started_at: float | None
-    last_started_at: float | None
-
-
-@dataclass(frozen=True)
-class Distribution:
-    """Count, mean, extremes and nearest-rank percentiles of one attempt measure, in ms."""
-
-    count: int
-    mean: float | None
-    minimum: float | None
-    maximum: float | None
-    percentiles: dict[int, float]  # {50: ..., 90: ..., 99: ...}; empty when count is 0
-
-
-@dataclass(frozen=True)
-class ErrorGroup:
-    """Errors sharing a class or an HTTP status: failed attempts, items that ended on it, one message."""
-
-    key: str | int | None
-    attempts: int
-    items: int
-    example: str | None
-    retried: int = 0  # failed attempts that were sent again (not an item's last)
 
 
 @dataclass(frozen=True)
@@ -137,23 +117,7 @@ class AttemptRow:
     error_message: str | None = None  # a failed attempt's message, redacted and shortened (since 0010)
 
 
-_ANY_STATUS = object()  # _attempt_example: any status code
-
 RECONNECT_PAUSE_S = 1.0  # between tries to reopen an export's cursor while the server is away
-@dataclass(frozen=True)
-class RunRow:
-    """A run of a job, as its process last reported: who, where, and its heartbeat (the ledger's clock)."""
-
-    id: str
-    command: str
-    pid: int
-    host: str
-    started_at: float
-    heartbeat_at: float
-    ended_at: float | None
-    exit_code: int | None
-
-
 _ITEM_ROW_COLUMNS = item_columns(ItemRow, {"item_id": "id"})
 _ATTEMPT_ROW_COLUMNS = tuple(attempts_t.c[f.name] for f in dataclasses.fields(AttemptRow))
 
@@ -186,7 +150,7 @@ class LedgerQueries:
         latest = select(func.max(r.started_at)).where(r.job_id == job_id).scalar_subquery()
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(*(r[f.name] for f in dataclasses.fields(RunRow)))
+                select(*(r[name] for name in RUN_COLUMNS))
                 .where(r.job_id == job_id, or_(r.ended_at.is_(None), r.started_at == latest))
                 .order_by(r.started_at.desc())
             ).all()
@@ -237,11 +201,7 @@ class LedgerQueries:
                     func.max(t.last_started_at),
                 ).where(t.job_id == job_id)
             ).one()
-        return AttemptTotals(
-            requests=int(row[0] or 0), clean=int(row[1] or 0), input_tokens=int(row[2] or 0),
-            output_tokens=int(row[3] or 0), cached_tokens=int(row[4] or 0), cost_usd=float(row[5] or 0.0),
-            first_started_at=row[6], last_started_at=row[7],
-        )
+        return attempt_totals(row)
 
     def attempt_distribution(self, job_id: int, measure: str, percentiles: Sequence[int] = (50, 90, 99)) -> Distribution:
         """Nearest-rank percentiles of ``latency_ms``, ``queue_wait_ms`` or ``ttft_ms`` over the job's attempts.
@@ -253,7 +213,7 @@ class LedgerQueries:
         snapshot, so the count and the index agree.
         """
         column, conds = self._measure(job_id, measure)
-        name = {"latency_ms": "latency", "queue_wait_ms": "queue_wait", "ttft_ms": "ttft"}[measure]
+        name = MEASURE_TOTALS[measure]
         with self.engine.connect() as conn:
             if not self.is_sqlite:
                 conn = conn.execution_options(isolation_level="REPEATABLE READ")
@@ -263,25 +223,17 @@ class LedgerQueries:
                 )
             ).one()
             n = int(n or 0)
-            if not n:
-                return Distribution(0, None, None, None, {})
 
             def at(rank: int) -> float:
-                low_end = rank <= (n + 1) // 2
+                low_end, offset = rank_step(rank, n)
                 value = conn.execute(
-                    select(column).where(*conds).order_by(column if low_end else column.desc())
-                    .limit(1).offset(rank - 1 if low_end else n - rank)
+                    select(column).where(*conds).order_by(column if low_end else column.desc()).limit(1).offset(offset)
                 ).scalar()
                 if value is None:  # the kept count and the attempts disagree: never, in one snapshot
                     raise LedgerError(f"job {job_id}: attempt_totals counts {n} {measure} values, the attempts fewer")
                 return float(value)
 
-            ranks = {p: max(1, -(-p * n // 100)) for p in percentiles}
-            at_rank = {r: at(r) for r in sorted(set(ranks.values()) | {1, n})}
-        return Distribution(
-            count=n, mean=float(total) / n, minimum=at_rank[1], maximum=at_rank[n],
-            percentiles={p: at_rank[r] for p, r in ranks.items()},
-        )
+            return distribution(n, total, percentiles, at)
 
     def answer_split(self, job_id: int, percentiles: Sequence[int] = (50, 99)) -> dict[str, Distribution]:
         """Where clean answers' time went: nearest-rank percentiles of ``queue_wait_ms`` (waiting for a
@@ -378,9 +330,7 @@ class LedgerQueries:
                     .group_by(a.error_class)
                 ).all()
             )
-            by_item: dict[Any, int] = {}
-            ended_after_a_request: dict[Any, int] = {}  # failed or invalid: their last attempt was not retried
-            for key, state, n in conn.execute(
+            by_item_state = conn.execute(
                 select(i.error_class, i.state, func.count())
                 .where(
                     i.job_id == job_id,
@@ -388,10 +338,7 @@ class LedgerQueries:
                     i.error_class.is_not(None),
                 )
                 .group_by(i.error_class, i.state)
-            ).all():
-                by_item[key] = by_item.get(key, 0) + n
-                if state != ItemState.REJECTED:
-                    ended_after_a_request[key] = ended_after_a_request.get(key, 0) + n
+            ).all()
             examples: dict[Any, str] = dict(
                 conn.execute(
                     select(i.error_class, func.max(i.error_message))
@@ -399,28 +346,19 @@ class LedgerQueries:
                     .group_by(i.error_class)
                 ).all()
             )
-            for key in set(by_attempt) - set(examples):
-                example = self._attempt_example(conn, job_id, key)
-                if example is not None:
-                    examples[key] = example
-        return sorted(
-            (
-                ErrorGroup(str(key), int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key),
-                           max(0, int(by_attempt.get(key, 0)) - int(ended_after_a_request.get(key, 0))))
-                for key in set(by_attempt) | set(by_item)
-            ),
-            key=lambda g: (-(g.attempts + g.items), str(g.key)),
-        )
+            fill_examples(examples, {key: [key] for key in by_attempt},
+                          lambda key, error_class: self._attempt_example(conn, job_id, error_class))
+        return class_groups(by_attempt, [(k, st, int(n)) for k, st, n in by_item_state], examples)
 
     @staticmethod
-    def _attempt_example(conn: Any, job_id: int, error_class: str, status: Any = _ANY_STATUS) -> str | None:
+    def _attempt_example(conn: Any, job_id: int, error_class: str, status: Any = ANY_STATUS) -> str | None:
         """One failed attempt's message of this class (and status): a seek into ``ix_attempts_errors``
         (job, class), reading the class's rows only until one has a message (every row since 0010)."""
         a = attempts_t.c
         conds: list[ColumnElement[bool]] = [
             a.job_id == job_id, a.error_class == error_class, a.error_message.is_not(None)
         ]
-        if status is not _ANY_STATUS:
+        if status is not ANY_STATUS:
             conds.append(a.status_code.is_(None) if status is None else a.status_code == status)
         value = conn.execute(select(a.error_message).where(*conds).limit(1)).scalar()
         return None if value is None else str(value)
@@ -433,15 +371,13 @@ class LedgerQueries:
         """
         i, a = items_t.c, attempts_t.c
         with self.engine.connect() as conn:
-            by_attempt: dict[Any, int] = {}
-            classes: dict[Any, list[str]] = {}  # status -> the classes its failed attempts had
-            for status, error_class, n in conn.execute(
-                select(a.status_code, a.error_class, func.count())
-                .where(a.job_id == job_id, a.error_class.is_not(None))
-                .group_by(a.status_code, a.error_class)
-            ).all():
-                by_attempt[status] = by_attempt.get(status, 0) + n
-                classes.setdefault(status, []).append(error_class)
+            by_attempt, classes = attempt_statuses(  # classes: status -> the classes its failed attempts had
+                conn.execute(
+                    select(a.status_code, a.error_class, func.count())
+                    .where(a.job_id == job_id, a.error_class.is_not(None))
+                    .group_by(a.status_code, a.error_class)
+                ).all()
+            )
             by_item: dict[Any, int] = dict(
                 conn.execute(
                     select(i.status_code, func.count())
@@ -459,22 +395,9 @@ class LedgerQueries:
                     .group_by(i.status_code)
                 ).all()
             )
-            for status in set(by_attempt) - {k for k, v in examples.items() if v is not None}:
-                if isinstance(status, int) and 200 <= status < 300:
-                    continue
-                for error_class in sorted(classes[status]):
-                    example = self._attempt_example(conn, job_id, error_class, status)
-                    if example is not None:
-                        examples[status] = example
-                        break
-        return sorted(
-            (
-                ErrorGroup(key, int(by_attempt.get(key, 0)), int(by_item.get(key, 0)), examples.get(key))
-                for key in set(by_attempt) | set(by_item)
-                if not (isinstance(key, int) and 200 <= key < 300)  # an answer that did not validate: no error status
-            ),
-            key=lambda g: (-(g.attempts + g.items), g.key if isinstance(g.key, int) else 0),
-        )
+            fill_examples(examples, classes,
+                          lambda status, error_class: self._attempt_example(conn, job_id, error_class, status))
+        return status_groups(by_attempt, by_item, examples)
 
     def requests_per_item(self, job_id: int) -> dict[int, int]:
         """How many items had n requests sent (n >= 1; an attempt row is a request, 429s included),

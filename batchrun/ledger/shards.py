@@ -23,6 +23,8 @@ from sqlalchemy import bindparam, case, func, insert, select, update
 from batchrun.ledger.models import attempts as attempts_t
 from batchrun.ledger.models import items as items_t
 from batchrun.ledger.models import shards as shards_t
+from batchrun.ledger.records import ShardRecord as ShardRecord  # where batch mode has found it
+from batchrun.ledger.records import answered_routes, shard_record, turnaround_seconds
 from batchrun.ledger.store import AttemptRecord, Ledger, Outcome, _no_nul
 from batchrun.states import OPEN_SHARD_STATES, ItemState, ShardState
 
@@ -41,61 +43,6 @@ _LANDED = (
 _BACK = ("status_code", "error_class", "error_message", "followups")
 # A collected shard's ``error`` while its files are still at the provider (ShardLedger.close).
 FILES_LEFT = "its files are still at the provider: the next run deletes them"
-
-
-@dataclass(frozen=True)
-class ShardRecord:
-    """A shard as stored."""
-
-    id: int
-    job_id: int
-    token: str
-    kind: str
-    state: str
-    run_id: str | None
-    endpoint: str | None
-    model: str | None
-    own_ids: bool
-    requests: int
-    bytes: int
-    prompt_tokens: int
-    worst_usd: float | None
-    input_file_id: str | None
-    batch_id: str | None
-    output_file_id: str | None
-    error_file_id: str | None
-    provider_status: str | None
-    counts: Mapping[str, int]
-    created_at: float
-    create_sent_at: float | None
-    creates: int
-    provider_created_at: float | None
-    in_progress_at: float | None
-    ended_at: float | None
-    expires_at: float | None
-    collected_at: float | None
-    cancel_reason: str | None
-    error: str | None
-
-    @property
-    def is_open(self) -> bool:
-        """Its items are still submitted."""
-        return self.state in OPEN_SHARD_STATES
-
-    @property
-    def tag(self) -> str:
-        """The random part of the shard's token: what its own line ids start with."""
-        return self.token.rpartition("-")[2]
-
-    def line_id(self, item_id: int, custom_id: str) -> str:
-        """The custom_id an item's line carries in this shard's request file: the item's own, or one
-        naming the shard ("<tag>_<item id>") where the API needs the lines to say whose they are."""
-        return custom_id if self.own_ids else f"{self.tag}_{item_id}"
-
-    def item_of(self, line_id: str) -> int | None:
-        """The item a line id of this shard names (a shard-named id; None for any other)."""
-        tag, _, item = line_id.partition("_")
-        return int(item) if not self.own_ids and tag == self.tag and item.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -137,13 +84,6 @@ _SHARD_ITEM_COLUMNS = (
 )
 
 
-def _shard(row: Any) -> ShardRecord:
-    values = dict(row._mapping)
-    values["counts"] = orjson.loads(values["counts"]) if values["counts"] else {}
-    values["own_ids"] = bool(values["own_ids"])
-    return ShardRecord(**values)
-
-
 class ShardLedger:
     """The shard side of a :class:`~batchrun.ledger.store.Ledger` (same engine, same fences)."""
 
@@ -159,11 +99,11 @@ class ShardLedger:
         if open_only:
             stmt = stmt.where(shards_t.c.state.in_(list(OPEN_SHARD_STATES)))
         with self.engine.connect() as conn:
-            return [_shard(row) for row in conn.execute(stmt)]
+            return [shard_record(row._mapping) for row in conn.execute(stmt)]
 
     def get(self, shard_id: int) -> ShardRecord:
         with self.engine.connect() as conn:
-            return _shard(conn.execute(select(shards_t).where(shards_t.c.id == shard_id)).one())
+            return shard_record(conn.execute(select(shards_t).where(shards_t.c.id == shard_id)).one()._mapping)
 
     def pending_items(self, job_id: int, *, after_id: int = 0, limit: int = 2000) -> list[ShardItem]:
         """Pending items of the job in input order, from ``after_id`` on: the candidates for a new shard."""
@@ -223,10 +163,7 @@ class ShardLedger:
                 .where(i.job_id == job_id, i.state == ItemState.SUCCEEDED)
                 .group_by(route)
             ).all()
-        by = {"batch": 0, "online": 0, "cache": 0}
-        for name, n in rows:
-            by[str(name)] += int(n)
-        return by
+        return answered_routes(rows)
 
     def turnarounds(self, kind: str, limit: int = 200) -> list[float]:
         """Seconds from created to ended of this ledger's latest ended shards of a provider kind."""
@@ -236,7 +173,7 @@ class ShardLedger:
                 .where(shards_t.c.kind == kind, shards_t.c.ended_at.is_not(None))
                 .order_by(shards_t.c.id.desc()).limit(limit)
             ).scalars().all()
-        return sorted(float(r) for r in rows if r is not None and r >= 0)
+        return turnaround_seconds(rows)
 
     def now(self) -> float:
         """Now, by the clock shard times are kept in (the database's on PostgreSQL)."""
@@ -270,7 +207,7 @@ class ShardLedger:
             # A transaction replayed after its acknowledgement was lost (PostgreSQL ride-out) finds its shard.
             made = conn.execute(select(shards_t).where(shards_t.c.token == plan.token)).one_or_none()
             if made is not None:
-                return _shard(made)
+                return shard_record(made._mapping)
             now = self.ledger._now(conn)
             inserted = conn.execute(
                 insert(shards_t).values(
@@ -291,7 +228,7 @@ class ShardLedger:
             if taken != len(plan.item_ids):
                 conn.execute(update(shards_t).where(shards_t.c.id == shard_id).values(requests=taken))
             row = conn.execute(select(shards_t).where(shards_t.c.id == shard_id)).one()
-        return _shard(row)
+        return shard_record(row._mapping)
 
     def update(self, shard: ShardRecord, holder: str, /, **values: Any) -> ShardRecord:
         """Record what the provider said of a shard (ids, status, counts, times); the row as it is now.
@@ -307,7 +244,7 @@ class ShardLedger:
             self.ledger._renew_lock(conn, shard.job_id, holder)
             conn.execute(update(shards_t).where(shards_t.c.id == shard.id).values(**values))
             row = conn.execute(select(shards_t).where(shards_t.c.id == shard.id)).one()
-        return _shard(row)
+        return shard_record(row._mapping)
 
     def sending_create(self, shard: ShardRecord, holder: str) -> ShardRecord:
         """The create call is about to go out: the shard is ``creating`` (whether the batch exists is
@@ -321,7 +258,7 @@ class ShardLedger:
                 )
             )
             row = conn.execute(select(shards_t).where(shards_t.c.id == shard.id)).one()
-        return _shard(row)
+        return shard_record(row._mapping)
 
     def refuse(
         self, shard: ShardRecord, run_id: str, reason: str, failed: Mapping[int, str] | None = None,
@@ -422,7 +359,7 @@ class ShardLedger:
     def files_left(self, job_id: int) -> list[ShardRecord]:
         """The job's collected shards whose files are still to be deleted at the provider."""
         with self.engine.connect() as conn:
-            return [_shard(row) for row in conn.execute(
+            return [shard_record(row._mapping) for row in conn.execute(
                 select(shards_t).where(shards_t.c.job_id == job_id, shards_t.c.state == ShardState.COLLECTED,
                                        shards_t.c.error == FILES_LEFT).order_by(shards_t.c.id)
             )]
@@ -454,7 +391,7 @@ class ShardLedger:
             rows = conn.execute(
                 select(shards_t).where(shards_t.c.job_id == job_id, shards_t.c.state.in_(list(OPEN_SHARD_STATES)))
             ).all()
-        return [_shard(r) for r in rows]
+        return [shard_record(r._mapping) for r in rows]
 
 
 def _as_is(value: Any) -> Any:

@@ -46,7 +46,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.sqlite import insert as _sqlite_insert
 
-from batchrun.errors import JobLockedError, JobNotFoundError, LedgerBusyError, LockLostError
+from batchrun.errors import JobLockedError, LedgerBusyError, LockLostError
 from batchrun.hints import command
 from batchrun.redact import redact
 from batchrun.ledger.basics import RETRY_FILTERS
@@ -61,6 +61,7 @@ from batchrun.ledger.models import rate_buckets as buckets_t
 from batchrun.ledger.models import runs as runs_t
 from batchrun.ledger.models import shards as shards_t
 from batchrun.ledger.queries import LedgerQueries
+from batchrun.ledger.records import JobRecord, job_not_found, job_record, pid_alive
 from batchrun.spec import JobSpec
 from batchrun.states import OPEN_SHARD_STATES, ItemState, no_counts
 
@@ -83,21 +84,6 @@ _FOLDS = (
 # (Ledger.set_export_target); ERRORS_TARGET is the format of its errors file's row.
 TARGET_SHA = ""
 ERRORS_TARGET = "errors"
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """A job as stored."""
-
-    id: int
-    name: str | None
-    created_at: float
-    spec: JobSpec
-    spec_hash: str
-    input_path: str
-    input_hash: str
-    ingest_done: bool
-    total: int
 
 
 @dataclass(frozen=True)
@@ -325,16 +311,6 @@ def lock_lost(job_id: int, run_id: str, holder: LockHolder | None) -> LockLostEr
     )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Ledger:
     """The job database. Open with :meth:`open`; close with :meth:`close` or ``with``."""
 
@@ -476,18 +452,8 @@ class Ledger:
         with self.engine.connect() as conn:
             row = conn.execute(select(jobs_t).where(jobs_t.c.id == job_id)).one_or_none()
         if row is None:
-            raise JobNotFoundError(f"no job {job_id} in ledger {self.url} (see `batchrun list`)")
-        return JobRecord(
-            id=row.id,
-            name=row.name,
-            created_at=row.created_at,
-            spec=JobSpec.from_dict(orjson.loads(row.spec_json), source=row.spec_source),
-            spec_hash=row.spec_hash,
-            input_path=row.input_path,
-            input_hash=row.input_hash,
-            ingest_done=bool(row.ingest_done),
-            total=row.total,
-        )
+            raise job_not_found(job_id, self.url)
+        return job_record(row._mapping)
 
     def list_jobs(self) -> list[tuple[JobRecord, dict[str, int]]]:
         with self.engine.connect() as conn:
@@ -660,7 +626,7 @@ class Ledger:
             stmt = stmt.with_for_update()
         row = conn.execute(stmt).one_or_none()
         if row is None:
-            raise JobNotFoundError(f"no job {job_id} in ledger {self.url} (see `batchrun list`)")
+            raise job_not_found(job_id, self.url)
         if row.lock_run_id is None:
             return None
         return LockHolder(row.lock_run_id, row.lock_pid, row.lock_host, row.lock_since, row.lock_heartbeat)
@@ -693,7 +659,7 @@ class Ledger:
             if exclusive:
                 holder = self._holder(conn, job_id, lock=True)
                 if holder is not None and holder.run_id != run_id:
-                    dead = holder.host == host and not _pid_alive(holder.pid)
+                    dead = holder.host == host and not pid_alive(holder.pid)
                     stale = now - holder.heartbeat > stale_after
                     if not (dead or stale):
                         raise job_locked(job_id, holder, self.url)
