@@ -19,8 +19,8 @@ RUNS_STOP_WAIT_SECONDS = 10.0  # a run's answers in flight are given this long t
 
 @dataclass(frozen=True)
 class Cancelled:
-    """What ``cancel_job`` did: items that stay cancelled, answers in flight that were recorded
-    (succeeded, or failed), and whether a run of the job was still working when it stopped waiting."""
+    """What ``cancel_job`` did: items that stay cancelled, answers in flight that came in meanwhile
+    (succeeded: they were paid for), and whether a run of the job was still sending when it stopped waiting."""
 
     cancelled: int
     answered_in_flight: int
@@ -30,22 +30,23 @@ class Cancelled:
 def cancel_job(ledger: Ledger, job_id: int, *, wait_seconds: float = RUNS_STOP_WAIT_SECONDS,
                poll_seconds: float = 0.05) -> Cancelled:
     """Cancel job ``job_id``'s pending and running items, then wait (up to ``wait_seconds``) for
-    the runs working it to stop. JobNotFoundError for an unknown job."""
-    from batchrun.report import run_status
+    the runs sending its requests to stop. JobNotFoundError for an unknown job."""
+    from batchrun.report import RUN_SILENT_S, run_state
 
     queries = LedgerQueries(ledger.engine)
     job = ledger.get_job(job_id)
-    before = queries.counts(job_id)[ItemState.CANCELLED]
+    succeeded_before = queries.counts(job_id)[ItemState.SUCCEEDED]
     caught = ledger.cancel(job_id)
     deadline = time.monotonic() + wait_seconds
+    stale_after = min(job.spec.run.lock_stale_seconds, RUN_SILENT_S)
 
-    def working() -> bool:
-        status = run_status(queries, job)
-        return status is not None and bool(status["live"])
+    def sending() -> bool:  # an ingest's own run row sends nothing: not waited for
+        runs, now = queries.job_runs(job_id)
+        return any(run.command != "ingest" and run_state(run, now, stale_after) == "live" for run in runs)
 
-    still = working()
+    still = sending()
     while still and time.monotonic() < deadline:
         time.sleep(poll_seconds)
-        still = working()
-    stays = max(0, queries.counts(job_id)[ItemState.CANCELLED] - before)
-    return Cancelled(cancelled=stays, answered_in_flight=max(0, caught - stays), run_still_working=still)
+        still = sending()
+    answered = max(0, queries.counts(job_id)[ItemState.SUCCEEDED] - succeeded_before)
+    return Cancelled(cancelled=max(0, caught - answered), answered_in_flight=answered, run_still_working=still)

@@ -73,6 +73,7 @@ def holding() -> Iterator[Callable[[], bool]]:
 def reset() -> None:
     """Forget the signals seen (an in-process caller running another command)."""
     _seen.clear()
+    _next_command.clear()
 
 
 def release() -> None:
@@ -114,7 +115,7 @@ def note(signum: int) -> int:
                 pass
         name = signal.Signals(signum).name
         said = f"batchrun: {name} again: stopped at once" + (
-            f"; requests in flight are abandoned, carry on with: {_next_command[0]}" if _next_command else "")
+            f"; carry on with: {_next_command[0]}" if _next_command else "")
         with contextlib.suppress(OSError):
             os.write(2, (said + "\n").encode())  # not through sys.stderr: it may be mid-write
         os._exit(ExitCode.TEMPFAIL)

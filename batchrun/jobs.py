@@ -87,8 +87,8 @@ def prepare_job(
     _check_submittable(spec)
     path = Path(input_path)
     input_hash = hash_input(path)
-    existing = None if new else ledger.find_job(spec.identity_hash(), input_hash)
-    if existing is not None and _follow_key_source(ledger, existing, spec).ingest_done:
+    existing = None if new else ledger.find_job(spec, input_hash)
+    if existing is not None and ledger.get_job(existing).ingest_done:
         return PreparedJob(existing, False, None)
     builder = _builder(spec)
     if existing is None:
@@ -103,8 +103,6 @@ def prepare_job(
             if nothing is not None and (nothing.lines or not allow_empty):
                 raise _no_items(path, nothing)
     job_id, created = ledger.find_or_create_job(spec, input_path=str(path.absolute()), input_hash=input_hash, new=new)
-    if not created:
-        _follow_key_source(ledger, job_id, spec)
     if not ingest:
         return PreparedJob(job_id, created, None)
     stats = _ingest_locked(ledger, job_id, path, builder, on_batch, should_stop)
@@ -354,15 +352,12 @@ def ingest_beside(
     return BackgroundIngest(ledger, job_id, path, _builder(job.spec))
 
 
-def _follow_key_source(ledger: Ledger, job_id: int, spec: JobSpec) -> JobRecord:
+def follow_key_source(ledger: Ledger, job_id: int, spec: JobSpec) -> None:
     """Job ``job_id``, made to read its API key where ``spec`` (submitted again) says: where the key
     comes from is not the job's identity, and a later ``resume`` (from cron, say) reads it there too."""
-    job = ledger.get_job(job_id)
-    wanted, stored = spec.provider, job.spec.provider
-    if (wanted.api_key_env, wanted.api_key_file) == (stored.api_key_env, stored.api_key_file):
-        return job
-    ledger.set_key_source(job_id, wanted.api_key_env, wanted.api_key_file)
-    return ledger.get_job(job_id)
+    wanted, stored = spec.provider, ledger.get_job(job_id).spec.provider
+    if (wanted.api_key_env, wanted.api_key_file) != (stored.api_key_env, stored.api_key_file):
+        ledger.set_key_source(job_id, wanted.api_key_env, wanted.api_key_file)
 
 
 def _own_input(job: JobRecord) -> Path:

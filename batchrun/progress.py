@@ -130,7 +130,10 @@ async def show_progress(
         before = await asyncio.to_thread(_done_before, runner)
     except asyncio.CancelledError:
         if runner.run_id:  # a run over before the display began (all from the cache): its figures still go out
-            _emit(runner, todo, _done_before(runner), out)
+            try:
+                _emit(runner, todo, _done_before(runner), out)
+            except Exception:  # noqa: BLE001 (the ledger may be why the run stopped: its result comes first)
+                log.debug("no last progress record", exc_info=True)
         raise
     if quiet or not stream.isatty():
         try:

@@ -139,7 +139,7 @@ def _status(queries: StatusReader, job_id: int) -> tuple[dict[str, Any], dict[st
 RUN_SILENT_S = 30.0  # a run not heard of for this long is shown as dead
 
 
-def _run_state(run: RunRow, now: float, stale_after: float) -> str:
+def run_state(run: RunRow, now: float, stale_after: float) -> str:
     """``ended``, ``dead`` (its process is gone from this host, or its heartbeat is older than
     ``stale_after``) or ``live``."""
     if run.ended_at is not None:
@@ -157,7 +157,7 @@ def run_status(queries: RunsReader, job: JobRecord) -> dict[str, Any] | None:
         return None
     # A run beats at least every 10 s: three missed beats say it is gone (the lock's own staleness,
     # lease/2, may be half an hour; it decides takeovers, not what status shows).
-    states = [_run_state(run, now, min(job.spec.run.lock_stale_seconds, RUN_SILENT_S)) for run in runs]
+    states = [run_state(run, now, min(job.spec.run.lock_stale_seconds, RUN_SILENT_S)) for run in runs]
     last, state = runs[0], states[0]
     return {
         "live": "live" in states,

@@ -50,6 +50,7 @@ from batchrun.jobs import (
     PreparedJob,
     RunSummary,
     finish_interrupted_ingest,
+    follow_key_source,
     ingest_beside,
     ingests_beside,
     prepare_job,
@@ -218,6 +219,8 @@ def submit(
         on_prepared(prepared)
     if not run:
         return _as_stored(ledger, prepared.job_id, prepared)
+    if not prepared.created:  # about to run it (its key checked, with require_key): it reads the key there now
+        follow_key_source(ledger, prepared.job_id, spec)
     return _run_and_export(
         ledger, prepared.job_id, target, prepared, handle_signals,
         overrides=overrides, options=options or RunOptions(command="submit"), sender=sender, batch=batch,

@@ -259,20 +259,34 @@ def _any_nul(rows: Sequence[dict[str, Any]]) -> bool:
     )
 
 
-def _same_job(conn: Any, spec_hash: str, input_hash: str) -> int | None:
-    """The newest job with this identity hash and input content. A job whose stored hash is of an
-    earlier version (one that counted where the key is read from) is found by its stored spec's hash
-    now: the jobs of one input are few, and this runs only when no stored hash matches."""
-    found = conn.execute(_newest_job(spec_hash, input_hash)).scalar()
-    if found is not None:
-        return int(found)
-    stored = conn.execute(
-        select(jobs_t.c.id, jobs_t.c.spec_json).where(jobs_t.c.input_hash == input_hash).order_by(jobs_t.c.id.desc())
-    )
-    for job_id, spec_json in stored:
-        if JobSpec.from_dict(orjson.loads(spec_json)).identity_hash() == spec_hash:
-            return int(job_id)
-    return None
+def _same_job(conn: Any, spec: JobSpec, input_hash: str, *, rehash: bool = False) -> int | None:
+    """The newest job with this spec's identity and this input content, one that reads its key where
+    ``spec`` does first.
+
+    A job whose stored hash is of an earlier version (one that counted where the key is read
+    from) is found by its stored spec's hash; the jobs of one input are few. ``rehash`` (in a
+    write) stores the current hash on the job found.
+    """
+    spec_hash = spec.identity_hash()
+    key_source = (spec.provider.api_key_env, spec.provider.api_key_file)
+    same: list[tuple[int, bool, bool]] = []  # (job, reads its key where spec does, stored hash is current)
+    for job_id, stored_hash, spec_json in conn.execute(
+        select(jobs_t.c.id, jobs_t.c.spec_hash, jobs_t.c.spec_json)
+        .where(jobs_t.c.input_hash == input_hash).order_by(jobs_t.c.id.desc())
+    ):
+        try:
+            stored = JobSpec.from_dict(orjson.loads(spec_json))
+        except (ValueError, TypeError):  # a spec this version cannot read is no job it would find
+            continue
+        if stored_hash == spec_hash or stored.identity_hash() == spec_hash:
+            same_key = (stored.provider.api_key_env, stored.provider.api_key_file) == key_source
+            same.append((int(job_id), same_key, stored_hash == spec_hash))
+    if not same:
+        return None
+    job_id, _, current = next((job for job in same if job[1]), same[0])
+    if rehash and not current:
+        conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(spec_hash=spec_hash))
+    return job_id
 
 
 def _newest_job(spec_hash: str, input_hash: str) -> Any:
@@ -413,7 +427,7 @@ class Ledger:
                 key = int(hashlib.sha256(f"{spec_hash}{input_hash}".encode()).hexdigest()[:15], 16)
                 conn.execute(select(func.pg_advisory_xact_lock(key)))
             if not new:
-                found = _same_job(conn, spec_hash, input_hash)
+                found = _same_job(conn, spec, input_hash, rehash=True)
                 if found is not None:
                     return found, False
             return self._insert_job(conn, spec, input_path, input_hash), True
@@ -435,10 +449,17 @@ class Ledger:
         )
         return int(result.inserted_primary_key[0])
 
-    def find_job(self, spec_hash: str, input_hash: str) -> int | None:
-        """The newest job with this spec and input content, if any (:func:`_same_job`)."""
-        with self.engine.connect() as conn:
-            return _same_job(conn, spec_hash, input_hash)
+    def find_job(self, spec: JobSpec, input_hash: str) -> int | None:
+        """The newest job with this spec and input content, if any (:func:`_same_job`); one found by
+        its stored spec is stored under the current hash."""
+        with self.engine.connect() as conn:  # a read: a write only for a job found by its stored spec
+            found = _same_job(conn, spec, input_hash)
+            current = found is None or conn.execute(
+                select(jobs_t.c.spec_hash).where(jobs_t.c.id == found)).scalar() == spec.identity_hash()
+        if not current:
+            with self._write() as conn:
+                conn.execute(update(jobs_t).where(jobs_t.c.id == found).values(spec_hash=spec.identity_hash()))
+        return found
 
     def set_key_source(self, job_id: int, api_key_env: str, api_key_file: str | None) -> None:
         """Where job ``job_id`` reads its API key from from now on (a re-submitted spec's choice)."""

@@ -136,6 +136,8 @@ def test_moving_the_key_from_a_variable_to_a_file_carries_on_the_same_job(tmp_pa
         assert carried.returncode == 0, carried.stderr
         assert len(server.log) == 6  # sent with the file's key (the server refuses any other)
         assert [job["job_id"] for job in orjson.loads(run_cli(tmp_path, "list", "--json", "--db", str(db)).stdout)] == [1]
+        with sqlite3.connect(db) as conn:  # found by its stored spec once, then stored under the current hash
+            assert conn.execute("SELECT spec_hash FROM jobs").fetchall() != [("an-earlier-versions-hash",)]
         again = run_without_key(tmp_path, "resume", "1", "--db", str(db))
         assert again.returncode == 0, again.stderr  # no TEAM_KEY here: the job reads the file now
         assert "TEAM_KEY" not in again.stderr and len(server.log) == 6

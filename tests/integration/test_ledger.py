@@ -287,3 +287,25 @@ def test_nul_characters_are_stored(ledger: Ledger) -> None:
     row = next(LedgerQueries(ledger.engine).iter_items(job_id))
     assert row.state == ItemState.SUCCEEDED
     assert row.output in ("x\x00y", "x\ufffdy")  # SQLite keeps it; PostgreSQL text cannot
+
+
+def test_jobs_stored_under_an_earlier_hash_are_found_by_their_spec_own_key_source_first(ledger: Ledger) -> None:
+    """Two jobs of one input that an earlier version told apart by their key variable: each spec finds
+    its own job again (not the newest of the two), and once found it is stored under the current hash."""
+    import dataclasses
+
+    base = spec_for_batch_input(Overrides(base_url="http://127.0.0.1:9/v1", model="m"))
+    team_a = dataclasses.replace(base, provider=dataclasses.replace(base.provider, api_key_env="TEAM_A_KEY"))
+    team_b = dataclasses.replace(base, provider=dataclasses.replace(base.provider, api_key_env="TEAM_B_KEY"))
+    first = ledger.create_job(team_a, input_path="in.jsonl", input_hash="h")
+    second = ledger.create_job(team_b, input_path="in.jsonl", input_hash="h")
+    with ledger.engine.begin() as conn:  # as an earlier version stored them: hashes that differ by the variable
+        conn.execute(text("UPDATE jobs SET spec_hash = 'old-' || id"))
+    assert ledger.find_job(team_a, "h") == first and ledger.find_job(team_b, "h") == second
+    found, created = ledger.find_or_create_job(team_a, input_path="in.jsonl", input_hash="h", new=False)
+    assert (found, created) == (first, False)
+    with ledger.engine.connect() as conn:
+        hashes = dict(conn.execute(text("SELECT id, spec_hash FROM jobs")).all())
+    assert hashes == {first: team_a.identity_hash(), second: team_b.identity_hash()}  # both found once
+    assert ledger.find_job(team_a, "h") == first and ledger.find_job(team_b, "h") == second  # still their own
+    assert ledger.find_job(base, "other-input") is None
