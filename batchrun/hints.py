@@ -25,12 +25,11 @@ def db_flag(ledger_url: str) -> str:
 
     if ledger_url == resolve_db_url(None):
         return ""
-    from_env = os.environ.get("BATCHRUN_DB")
-    if from_env and make_url(ledger_url).password is not None:
-        env_url = resolve_db_url(from_env)
-        if ledger_url in (env_url, make_url(env_url).render_as_string(hide_password=True)):
-            return ""  # the password stays in $BATCHRUN_DB, the way to keep it off command lines
     if make_url(ledger_url).password is not None:  # shown as ***: pasting it would fail to log in
+        from_env = os.environ.get("BATCHRUN_DB")
+        env_url = resolve_db_url(from_env) if from_env else None
+        if env_url is not None and ledger_url in (env_url, make_url(env_url).render_as_string(hide_password=True)):
+            return ""  # the password stays in $BATCHRUN_DB, the way to keep it off command lines
         return " --db '<your --db URL>'"
     where = ledger_url.removeprefix("sqlite:///") if ledger_url.startswith("sqlite:///") else ledger_url
     return f" --db {shlex.quote(where)}"

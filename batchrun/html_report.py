@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
-from batchrun.states import job_state
 from batchrun.report import (
     HTML_GENERATOR,
     MEASURES,
@@ -212,7 +211,7 @@ def render_html(data: dict[str, Any]) -> str:
     e = escape
     title = f"Job {data['job_id']}" + (f" ({data['name']})" if data["name"] else "")
     counts, lat = data["counts"], data["latency_ms"]
-    state = data.get("state") or job_state(counts)
+    state = data["state"]
     if state == "cancelled":
         state = f"cancelled ({counts['cancelled']:,})"
     cards = [

@@ -381,7 +381,7 @@ def _percentiles(d: dict[str, Any]) -> str:
 
 def state_note(data: dict[str, Any]) -> str:
     """`` (done)``, `` (cancelled)``, `` (ingesting: ...)``... after the items' counts; none while work is left."""
-    state = data.get("state") or ("done" if data["done"] else "work left")
+    state = data["state"]
     if state == "ingesting":
         return " (ingesting: the input is still being read, the total grows)"
     return "" if state == "work left" else f" ({state})"

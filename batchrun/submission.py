@@ -428,15 +428,15 @@ def _run_and_export(
     feed: BackgroundIngest | None = None,
 ) -> SubmitResult:
     name = interrupt.received() if handle_signals else None
+    resume_command = command(ledger.url, "resume", job_id)
     if name is not None:  # the last stop point before the run
         stored = _as_stored(ledger, job_id, prepared)
         return dataclasses.replace(
             stored, exit_code=ExitCode.TEMPFAIL, stop_reason=StopReason.SIGNAL,
-            error=StoppedError(f"stopped by {name} before the run started; "
-                               f"carry on with: {command(ledger.url, 'resume', job_id)}"),
+            error=StoppedError(f"stopped by {name} before the run started; carry on with: {resume_command}"),
         )
     if handle_signals:
-        interrupt.carry_on_with(command(ledger.url, "resume", job_id))
+        interrupt.carry_on_with(resume_command)
     summary = run_sync(_work(ledger, job_id, overrides, options, sender, batch, on_start, feed,
                              handle_signals=handle_signals))
     prepared = _read_beside(prepared, feed)

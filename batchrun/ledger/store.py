@@ -259,13 +259,13 @@ def _any_nul(rows: Sequence[dict[str, Any]]) -> bool:
     )
 
 
-def _same_job(conn: Any, spec: JobSpec, input_hash: str, *, rehash: bool = False) -> int | None:
+def _same_job(conn: Any, spec: JobSpec, input_hash: str) -> tuple[int, bool] | None:
     """The newest job with this spec's identity and this input content, one that reads its key where
-    ``spec`` does first.
+    ``spec`` does first: (its id, whether its stored hash is the current one).
 
     A job whose stored hash is of an earlier version (one that counted where the key is read
-    from) is found by its stored spec's hash; the jobs of one input are few. ``rehash`` (in a
-    write) stores the current hash on the job found.
+    from) is found by its stored spec's hash; the jobs of one input are few. The caller stores
+    the current hash on a job found that way (:func:`_rehash`).
     """
     spec_hash = spec.identity_hash()
     key_source = (spec.provider.api_key_env, spec.provider.api_key_file)
@@ -284,19 +284,12 @@ def _same_job(conn: Any, spec: JobSpec, input_hash: str, *, rehash: bool = False
     if not same:
         return None
     job_id, _, current = next((job for job in same if job[1]), same[0])
-    if rehash and not current:
-        conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(spec_hash=spec_hash))
-    return job_id
+    return job_id, current
 
 
-def _newest_job(spec_hash: str, input_hash: str) -> Any:
-    """The id of the newest job with this spec and input content: a job's identity."""
-    return (
-        select(jobs_t.c.id)
-        .where(jobs_t.c.spec_hash == spec_hash, jobs_t.c.input_hash == input_hash)
-        .order_by(jobs_t.c.id.desc())
-        .limit(1)
-    )
+def _rehash(conn: Any, job_id: int, spec: JobSpec) -> None:
+    """Store the current identity hash on a job found by its stored spec: the next lookup is a plain one."""
+    conn.execute(update(jobs_t).where(jobs_t.c.id == job_id).values(spec_hash=spec.identity_hash()))
 
 
 def _bind(outcome: Outcome) -> dict[str, Any]:
@@ -427,9 +420,12 @@ class Ledger:
                 key = int(hashlib.sha256(f"{spec_hash}{input_hash}".encode()).hexdigest()[:15], 16)
                 conn.execute(select(func.pg_advisory_xact_lock(key)))
             if not new:
-                found = _same_job(conn, spec, input_hash, rehash=True)
+                found = _same_job(conn, spec, input_hash)
                 if found is not None:
-                    return found, False
+                    job_id, current = found
+                    if not current:
+                        _rehash(conn, job_id, spec)
+                    return job_id, False
             return self._insert_job(conn, spec, input_path, input_hash), True
 
     @staticmethod
@@ -454,12 +450,13 @@ class Ledger:
         its stored spec is stored under the current hash."""
         with self.engine.connect() as conn:  # a read: a write only for a job found by its stored spec
             found = _same_job(conn, spec, input_hash)
-            current = found is None or conn.execute(
-                select(jobs_t.c.spec_hash).where(jobs_t.c.id == found)).scalar() == spec.identity_hash()
+        if found is None:
+            return None
+        job_id, current = found
         if not current:
             with self._write() as conn:
-                conn.execute(update(jobs_t).where(jobs_t.c.id == found).values(spec_hash=spec.identity_hash()))
-        return found
+                _rehash(conn, job_id, spec)
+        return job_id
 
     def set_key_source(self, job_id: int, api_key_env: str, api_key_file: str | None) -> None:
         """Where job ``job_id`` reads its API key from from now on (a re-submitted spec's choice)."""
