@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +20,14 @@ PG_URL = os.environ.get("BATCHRUN_TEST_PG")
 # fetch its tables must not change the figures tests assert. tests/unit/test_tokens.py
 # gives tiktoken's counting its own encodings.
 os.environ["BATCHRUN_TIKTOKEN"] = "0"
+# Where PYTHONDONTWRITEBYTECODE is set (this machine kind sets it), every `batchrun` the tests
+# start would compile batchrun's sources again (~0.4 s a command) and each collection would
+# rewrite every test module's asserts again (~10 s): the bytecode goes to a cache outside the
+# tree instead, for the tests' own subprocesses and for the test modules collected after this.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.pycache_prefix = os.environ.setdefault(
+        "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"batchrun-tests-pycache-{os.getuid()}"))
+    sys.dont_write_bytecode = False
 
 
 def pg_schema_url(schema: str) -> str:
@@ -91,8 +101,10 @@ def frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-# The campaigns that kill processes or run many rounds: most of the full suite's time.
-# `pytest -m "not slow"` leaves them out (README: "Running the tests").
+# `slow` marks what `pytest -m "not slow"` (the fast subset, README) leaves out: these whole
+# files (campaigns that kill processes or run many rounds) and, with @pytest.mark.slow, each
+# test that takes more than about 2 s on a busy 2-core machine (a kill, a stall, a limiter
+# held for seconds, a big input). Together they are most of the full suite's time.
 SLOW_FILES = frozenset({
     "tests/chaos/test_chaos.py",
     "tests/acceptance/test_kill_resume.py",

@@ -21,6 +21,7 @@ def run_without_key(tmp_path: Path, *args: str, timeout: float = 60) -> subproce
     return subprocess.run(batchrun_cmd(*args), capture_output=True, text=True, env=env, timeout=timeout, check=False)
 
 
+@pytest.mark.slow
 def test_submit_resume_and_check_refuse_a_missing_key_naming_it(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 5), tmp_path / "l.db"
     submitted = run_without_key(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db))
@@ -42,6 +43,7 @@ def test_submit_resume_and_check_refuse_a_missing_key_naming_it(tmp_path: Path, 
     assert dry.returncode == 0, dry.stderr  # sends nothing: needs no key
 
 
+@pytest.mark.slow
 def test_an_empty_api_key_env_means_no_key(tmp_path: Path, server: FakeProviderServer) -> None:
     spec = write_spec(tmp_path, server, SPEC.replace('model = "m"', 'model = "m"\napi_key_env = ""'))
     records, db = write_records(tmp_path, 5), tmp_path / "l.db"
@@ -51,6 +53,7 @@ def test_an_empty_api_key_env_means_no_key(tmp_path: Path, server: FakeProviderS
     assert run_without_key(tmp_path, "check", str(spec), "--input", str(records)).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_a_worker_backs_off_a_job_whose_key_is_missing_naming_it(
     tmp_path: Path, server: FakeProviderServer, pg_url: str

@@ -40,6 +40,7 @@ def write_job(tmp_path: Path, server: FakeProviderServer, n: int) -> tuple[Path,
     return spec, data
 
 
+@pytest.mark.slow
 def test_no_wait_leaves_the_batch_at_the_provider_and_a_later_run_collects_it(tmp_path: Path) -> None:
     with FakeProviderServer(Faults(seed=1), batch_faults=BatchFaults(turnaround_s=1.0, seed=1)) as server:
         spec, data = write_job(tmp_path, server, 12)
@@ -71,6 +72,7 @@ def test_no_wait_leaves_the_batch_at_the_provider_and_a_later_run_collects_it(tm
         assert status["batch"]["answered"] == {"batch": 12, "online": 0, "cache": 0}
 
 
+@pytest.mark.slow
 def test_cancel_cancels_the_live_batch_at_the_provider(tmp_path: Path, slow_batches: FakeProviderServer) -> None:
     spec, data = write_job(tmp_path, slow_batches, 8)
     db = str(tmp_path / "l.db")
@@ -89,6 +91,7 @@ def test_cancel_cancels_the_live_batch_at_the_provider(tmp_path: Path, slow_batc
     assert counts["cancelled"] + counts["succeeded"] == 8 and counts["cancelled"] > 0
 
 
+@pytest.mark.slow
 def test_the_dry_run_quotes_the_batch_price(tmp_path: Path, slow_batches: FakeProviderServer) -> None:
     spec, data = write_job(tmp_path, slow_batches, 10)
     proc = run_cli(tmp_path, "submit", str(spec), "--input", str(data), "--mode", "batch", "--dry-run", "--json")
@@ -100,6 +103,7 @@ def test_the_dry_run_quotes_the_batch_price(tmp_path: Path, slow_batches: FakePr
     assert "through the provider's batch API" in text
 
 
+@pytest.mark.slow
 def test_demo_in_batch_mode(tmp_path: Path) -> None:
     proc = run_cli(tmp_path, "demo", "--mode", "batch", timeout=180)
     assert proc.returncode == 0, proc.stderr

@@ -44,6 +44,7 @@ def billed(server: FakeProviderServer) -> float:
     return sum(r.prompt_tokens * 1000.0 + r.completion_tokens * 4000.0 for r in server.log if r.status == 200) / 1e6
 
 
+@pytest.mark.slow
 def test_budget_stops_with_exit_4_and_resume_with_more_finishes(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(latency_s=0.02)
     spec, records, db, out = write_spec(tmp_path, server), write_records(tmp_path, 80), tmp_path / "l.db", tmp_path / "out.jsonl"
@@ -81,6 +82,7 @@ def test_budget_stops_with_exit_4_and_resume_with_more_finishes(tmp_path: Path, 
     assert final["cost_usd"] == pytest.approx(billed(server)) and final["cost_usd"] <= 50
 
 
+@pytest.mark.slow
 def test_spec_budget_and_bad_budgets(tmp_path: Path, server: FakeProviderServer) -> None:
     records, db = write_records(tmp_path, 30), tmp_path / "l.db"
     in_spec = write_spec(tmp_path, server, "budget_usd = 2.0")
@@ -106,6 +108,7 @@ def test_spec_budget_and_bad_budgets(tmp_path: Path, server: FakeProviderServer)
     assert infinite.returncode == 2 and "--budget-usd = inf: expected a total in USD > 0" in infinite.stderr
 
 
+@pytest.mark.slow
 def test_budget_without_a_price_exits_2_and_sends_nothing(tmp_path: Path, server: FakeProviderServer) -> None:
     records, db = write_records(tmp_path, 5), tmp_path / "l.db"
     unpriced = tmp_path / "unpriced.toml"

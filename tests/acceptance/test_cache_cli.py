@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 
 from batchrun.testing import FakeProviderServer
 
@@ -31,6 +32,7 @@ def write_records(path: Path, n: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_next_day_same_file_plus_ten_percent_only_new_records_reach_the_server(
     tmp_path: Path, server: FakeProviderServer
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 
 from batchrun.testing import FakeProviderServer, Faults
 
@@ -12,6 +13,7 @@ from .conftest import run_cli, start_cli, wait_for_requests
 from .test_cli import write_records, write_spec
 
 
+@pytest.mark.slow
 def test_cancel_during_a_run_stops_sending_and_keeps_the_answers_in_flight(
     tmp_path: Path, server: FakeProviderServer
 ) -> None:

@@ -39,6 +39,7 @@ def write_records(tmp_path: Path, n: int, extra: list[bytes] | None = None) -> P
     return path
 
 
+@pytest.mark.slow
 def test_submit_status_list_export(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 20, [b"{broken"]), tmp_path / "l.db"
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
@@ -82,6 +83,7 @@ def test_submit_status_list_export(tmp_path: Path, server: FakeProviderServer) -
     assert last["response"] is None and last["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.slow
 def test_resubmit_is_idempotent(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 10), tmp_path / "l.db"
     first = run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "--json")
@@ -98,6 +100,7 @@ def test_resubmit_is_idempotent(tmp_path: Path, server: FakeProviderServer) -> N
     assert fresh.stdout.splitlines()[0] == "3" and len(server.log) == 20
 
 
+@pytest.mark.slow
 def test_export_never_clobbers_a_foreign_file(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 3), tmp_path / "l.db"
     out = tmp_path / "precious.jsonl"
@@ -165,6 +168,7 @@ def test_auth_refused_exits_3(tmp_path: Path, server: FakeProviderServer) -> Non
     assert len(server.log) <= 4
 
 
+@pytest.mark.slow
 def test_second_runner_exits_75_naming_the_holder(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(latency_s=0.2)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 300), tmp_path / "l.db"
@@ -187,6 +191,7 @@ def test_second_runner_exits_75_naming_the_holder(tmp_path: Path, server: FakePr
     assert set(server.requests_by_key().values()) == {1}
 
 
+@pytest.mark.slow
 def test_retry_and_cancel(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(status_override=500)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 4), tmp_path / "l.db"
@@ -203,6 +208,7 @@ def test_retry_and_cancel(tmp_path: Path, server: FakeProviderServer) -> None:
 
 
 
+@pytest.mark.slow
 def test_cancel_leaves_finished_items_and_sends_nothing_more(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(latency_s=0.1)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 200), tmp_path / "l.db"
@@ -256,6 +262,7 @@ validation_retries = 0
 """
 
 
+@pytest.mark.slow
 def test_structured_retry_with_more_tokens_and_revalidate(tmp_path: Path, server: FakeProviderServer) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "additionalProperties": False}
     (tmp_path / "s.json").write_bytes(orjson.dumps(schema))
@@ -309,6 +316,7 @@ def test_non_strict_schema_warns(tmp_path: Path, server: FakeProviderServer) -> 
     assert server.bodies[0]["response_format"]["json_schema"]["strict"] is False
 
 
+@pytest.mark.slow
 def test_demo_triage(tmp_path: Path) -> None:
     proc = run_cli(tmp_path, "demo", "--job", "triage", timeout=180)
     assert proc.returncode in (0, 1), proc.stderr
@@ -323,6 +331,7 @@ def test_demo_triage(tmp_path: Path) -> None:
             assert line["status"] == "invalid_output" and line["error"]["class"] in ("truncated", "schema_invalid")
 
 
+@pytest.mark.slow
 def test_max_runtime_stops_cleanly_with_exit_75(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(latency_s=0.1)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 200), tmp_path / "l.db"
@@ -340,6 +349,7 @@ def test_max_runtime_stops_cleanly_with_exit_75(tmp_path: Path, server: FakeProv
     assert set(server.requests_by_key().values()) == {1}
 
 
+@pytest.mark.slow
 def test_resume_finishes_an_interrupted_ingest(tmp_path: Path, server: FakeProviderServer) -> None:
     from batchrun.ingest import hash_input
     from batchrun.ledger import Ledger
@@ -393,6 +403,7 @@ def test_errors_target_is_checked_before_sending(tmp_path: Path, server: FakePro
     assert len(server.log) == 0 and precious.read_text() == "keep me\n"
 
 
+@pytest.mark.slow
 def test_sigterm_while_reading_a_big_input_exits_75_and_carries_on(tmp_path: Path) -> None:
     src = tmp_path / "big.jsonl"
     with open(src, "wb") as f:
@@ -451,6 +462,7 @@ def test_non_finite_spec_numbers_are_refused(tmp_path: Path, server: FakeProvide
     assert proc.returncode == 2 and "[run] lease_seconds = nan: expected a finite number" in proc.stderr
 
 
+@pytest.mark.slow
 def test_log_file_gets_json_lines_with_progress_records(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(seed=2, latency_s=0.02, p_500=0.1)
     spec, records, db, log_file = write_spec(tmp_path, server), write_records(tmp_path, 60), tmp_path / "l.db", tmp_path / "run.jsonl"
@@ -481,6 +493,7 @@ def test_log_file_gets_json_lines_with_progress_records(tmp_path: Path, server: 
     assert "(reused 60)" in again.stderr  # the progress line on stderr says so too
 
 
+@pytest.mark.slow
 def test_log_file_run_ended_carries_the_exit_code(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(seed=3, latency_s=0.05)
     spec, records, log_file = write_spec(tmp_path, server), write_records(tmp_path, 400), tmp_path / "run.jsonl"
@@ -500,6 +513,7 @@ def test_log_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path, server:
     assert not (tmp_path / "l.db").exists() and server.log == []  # refused before anything was done
 
 
+@pytest.mark.slow
 def test_list_has_a_header_with_created_time_model_input_and_state(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, db = write_spec(tmp_path, server), tmp_path / "l.db"
     records = write_records(tmp_path, 3)

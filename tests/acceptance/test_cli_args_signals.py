@@ -30,6 +30,7 @@ def test_an_option_value_that_reads_like_v_or_q_stays_the_options_value(
     assert quiet.returncode == 0, quiet.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("after_requests,gap", [(0, 0.0), (5, 0.0), (20, 0.05), (40, 0.5)])
 def test_a_second_sigint_at_any_moment_exits_75_without_a_traceback(
     tmp_path: Path, after_requests: int, gap: float

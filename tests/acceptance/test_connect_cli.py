@@ -53,6 +53,7 @@ def plain_text_port() -> Iterator[int]:
         listener.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["refused", "tls"])
 def test_a_run_that_cannot_connect_names_why_and_stops_after_connect_grace(
     tmp_path: Path, server: FakeProviderServer, plain_text_port: int, case: str
@@ -77,6 +78,7 @@ def test_a_run_that_cannot_connect_names_why_and_stops_after_connect_grace(
     assert len(server.log) == 0
 
 
+@pytest.mark.slow
 def test_dns_failures_are_named(tmp_path: Path) -> None:
     spec = tmp_path / "job.toml"
     spec.write_text(GRACE_SPEC.format(base_url="http://no-such-host.invalid/v1"))

@@ -41,6 +41,7 @@ def write_job(
     return spec, records
 
 
+@pytest.mark.slow
 def test_prompts_over_the_window_are_rejected_never_sent_and_listed_everywhere(
     tmp_path: Path, server: FakeProviderServer
 ) -> None:
@@ -77,6 +78,7 @@ def test_prompts_over_the_window_are_rejected_never_sent_and_listed_everywhere(
     assert all("exceeds the context window of gpt-4o" in orjson.dumps(r).decode() for r in rejected)
 
 
+@pytest.mark.slow
 def test_max_input_tokens_sets_the_window_of_a_model_the_table_does_not_know(
     tmp_path: Path, server: FakeProviderServer
 ) -> None:
@@ -92,6 +94,7 @@ def test_max_input_tokens_sets_the_window_of_a_model_the_table_does_not_know(
     assert status["counts"]["rejected"] == 2
 
 
+@pytest.mark.slow
 def test_a_providers_context_length_400_fails_only_its_items_and_never_stops_the_job(
     tmp_path: Path, server: FakeProviderServer
 ) -> None:

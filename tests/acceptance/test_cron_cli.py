@@ -39,6 +39,7 @@ def key_file_spec(folder: Path, server: FakeProviderServer, key_line: str = 'api
     return spec
 
 
+@pytest.mark.slow
 def test_the_readme_cron_line_runs_under_crons_environment(tmp_path: Path) -> None:
     command = readme_cron_line()
     assert command.startswith("cd /data/jobs && /opt/batchrun/.venv/bin/batchrun submit "), command
@@ -66,6 +67,7 @@ def test_the_readme_cron_line_runs_under_crons_environment(tmp_path: Path) -> No
     assert any(home.rglob("*.db"))  # the default ledger is under cron's HOME
 
 
+@pytest.mark.slow
 def test_api_key_file_missing_empty_or_both_exits_2_before_sending(tmp_path: Path) -> None:
     with FakeProviderServer(Faults(seed=3), api_key=KEY) as server:
         spec, records, db = key_file_spec(tmp_path, server), write_records(tmp_path, 3), tmp_path / "l.db"
@@ -96,6 +98,7 @@ def test_api_key_file_missing_empty_or_both_exits_2_before_sending(tmp_path: Pat
         assert proc.returncode == 2 and "api_key_file and api_key_env" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_a_key_file_from_a_windows_editor_works_and_a_pasted_key_is_never_printed(tmp_path: Path) -> None:
     with FakeProviderServer(Faults(seed=3), api_key=KEY) as server:
         spec, records = key_file_spec(tmp_path, server), write_records(tmp_path, 3)
@@ -117,6 +120,7 @@ def test_a_key_file_from_a_windows_editor_works_and_a_pasted_key_is_never_printe
         assert len(server.log) == 3
 
 
+@pytest.mark.slow
 def test_moving_the_key_from_a_variable_to_a_file_carries_on_the_same_job(tmp_path: Path) -> None:
     """Written for cron, the spec reads its key from a file now: the job stored with a variable is
     found again (even one stored under an earlier version's hash), nothing is sent twice, and a later
@@ -169,6 +173,7 @@ def silent_proxy() -> Iterator[str]:
     listener.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("network", ["silent", "refused"])
 def test_a_tiktoken_table_that_cannot_be_fetched_costs_one_short_line_and_no_long_wait(
     tmp_path: Path, silent_proxy: str, network: str
@@ -194,6 +199,7 @@ def test_a_tiktoken_table_that_cannot_be_fetched_costs_one_short_line_and_no_lon
     assert elapsed < 8, elapsed
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_a_worker_backs_off_a_job_whose_key_file_is_missing_naming_it(tmp_path: Path, pg_url: str) -> None:
     with FakeProviderServer(Faults(seed=3), api_key=KEY) as server:

@@ -87,6 +87,7 @@ def test_dry_run_counts_estimates_and_leaves_nothing_behind(tmp_path: Path, serv
     assert server.log == [] and ledgers_under(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_dry_run_includes_the_structured_output_request(tmp_path: Path, server: FakeProviderServer) -> None:
     records = write_input(tmp_path)
     plain = tmp_path / "plain.toml"
@@ -107,6 +108,7 @@ def test_dry_run_includes_the_structured_output_request(tmp_path: Path, server: 
     assert server.log == [] and ledgers_under(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_dry_run_of_batch_lines_at_a_list_price(tmp_path: Path, server: FakeProviderServer) -> None:
     def line(custom_id: str, content: str, **body: object) -> bytes:
         return orjson.dumps({
@@ -150,6 +152,7 @@ def test_dry_run_of_batch_lines_at_a_list_price(tmp_path: Path, server: FakeProv
     assert server.log == [] and ledgers_under(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_dry_run_strict_and_spec_errors_exit_2(tmp_path: Path, server: FakeProviderServer) -> None:
     spec = tmp_path / "job.toml"
     spec.write_text(SPEC.format(base_url=server.base_url))

@@ -6,6 +6,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from batchrun.testing import FakeProviderServer, Faults
 
 from .conftest import run_cli, start_cli, wait_for_requests
@@ -32,6 +34,7 @@ def test_click_usage_errors_are_one_line_with_where_to_look(tmp_path: Path) -> N
     assert run_cli(tmp_path, "--help").returncode == 0 and run_cli(tmp_path, "--version").returncode == 0
 
 
+@pytest.mark.slow
 def test_verbosity_flags_are_taken_after_the_command(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 3), tmp_path / "l.db"
     assert run_cli(tmp_path, "submit", str(spec), "--input", str(records), "--db", str(db), "-q").returncode == 0
@@ -42,6 +45,7 @@ def test_verbosity_flags_are_taken_after_the_command(tmp_path: Path, server: Fak
     assert run_cli(tmp_path, "db", "upgrade", "--db", str(db), "-v").returncode == 0
 
 
+@pytest.mark.slow
 def test_the_input_file_is_never_the_output_even_with_force(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 3), tmp_path / "l.db"
     before = records.read_bytes()
@@ -59,6 +63,7 @@ def test_the_input_file_is_never_the_output_even_with_force(tmp_path: Path, serv
     assert records.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_read_only_commands_on_a_missing_ledger_say_so_and_create_nothing(tmp_path: Path) -> None:
     missing = tmp_path / "typo.db"
     for args in (["status"], ["status", "1"], ["list"], ["report", "1"], ["show", "1"], ["resume", "1"],
@@ -69,6 +74,7 @@ def test_read_only_commands_on_a_missing_ledger_say_so_and_create_nothing(tmp_pa
     assert not missing.exists() and not (tmp_path / "home").exists()
 
 
+@pytest.mark.slow
 def test_a_second_signal_while_shutting_down_exits_75_at_once(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(p_hang=1.0)  # the requests in flight never answer: the grace period would last 30 s
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 20), tmp_path / "l.db"

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 from batchrun.testing import FakeProviderServer, Faults
 
@@ -41,6 +42,7 @@ def run_hint(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess[str
     return subprocess.run(argv, capture_output=True, text=True, env=cli_env(tmp_path), timeout=120, check=False)
 
 
+@pytest.mark.slow
 def test_the_printed_resume_of_a_db_job_finishes_it_into_the_same_files(
     tmp_path: Path, server: FakeProviderServer
 ) -> None:
@@ -74,6 +76,7 @@ def test_the_printed_resume_of_a_db_job_finishes_it_into_the_same_files(
     assert default["total"] == 3
 
 
+@pytest.mark.slow
 def test_an_explicit_output_wins_and_becomes_the_remembered_one(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 5), tmp_path / "l.db"
     a, b = tmp_path / "a.jsonl", tmp_path / "b.csv"
@@ -89,6 +92,7 @@ def test_an_explicit_output_wins_and_becomes_the_remembered_one(tmp_path: Path, 
     assert len(server.log) == 5
 
 
+@pytest.mark.slow
 def test_a_remembered_output_whose_folder_is_gone_says_what_to_do(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 5), tmp_path / "l.db"
     out = tmp_path / "out" / "a.jsonl"
@@ -111,6 +115,7 @@ def test_a_remembered_output_whose_folder_is_gone_says_what_to_do(tmp_path: Path
     assert len(server.log) == 5
 
 
+@pytest.mark.slow
 def test_budget_retry_and_lock_hints_name_the_ledger(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 200), tmp_path / "l.db"
     server.faults = Faults(status_override=500)

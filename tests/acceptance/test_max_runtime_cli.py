@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 
 from batchrun.testing import FakeProviderServer, Faults
 
@@ -13,6 +14,7 @@ from .conftest import run_cli
 from .test_cli import SPEC, write_records, write_spec
 
 
+@pytest.mark.slow
 def test_a_submit_deadline_does_not_become_the_jobs(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(latency_s=0.2)
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 40), tmp_path / "l.db"
@@ -27,6 +29,7 @@ def test_a_submit_deadline_does_not_become_the_jobs(tmp_path: Path, server: Fake
     assert set(server.requests_by_key().values()) == {1}
 
 
+@pytest.mark.slow
 def test_max_runtime_zero_means_no_limit(tmp_path: Path, server: FakeProviderServer) -> None:
     server.faults = Faults(latency_s=0.2)
     spec = write_spec(tmp_path, server, SPEC.replace("[run]", "[run]\nmax_runtime = 1"))

@@ -63,6 +63,7 @@ def test_a_field_with_no_close_key_lists_the_keys_the_record_has(tmp_path: Path,
     assert jobs_in(db) == 0 and len(server.log) == 0
 
 
+@pytest.mark.slow
 def test_every_line_bad_json_names_that(tmp_path: Path, server: FakeProviderServer) -> None:
     code, _, stderr, db = submit(tmp_path, server, [b"{nope", b"[1, 2]", b"{also nope"], "--strict")
     assert code == 2 and jobs_in(db) == 0 and len(server.log) == 0  # --strict refuses it, as always

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import orjson
 import pyarrow.parquet as pq
+import pytest
 
 from batchrun.testing import FakeProviderServer
 
@@ -22,6 +23,7 @@ def piped(tmp_path: Path, stdin: bytes, *args: str) -> subprocess.CompletedProce
     return subprocess.run(batchrun_cmd(*args), input=stdin, capture_output=True, env=cli_env(tmp_path), timeout=120)
 
 
+@pytest.mark.slow
 def test_input_from_stdin_is_spooled_by_content_and_found_again(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, db, out = write_spec(tmp_path, server), tmp_path / "l.db", tmp_path / "out.jsonl"
     data = write_records(tmp_path, 12).read_bytes()
@@ -39,6 +41,7 @@ def test_input_from_stdin_is_spooled_by_content_and_found_again(tmp_path: Path, 
     assert other.returncode == 0 and other.stdout.splitlines()[0] == b"2"
 
 
+@pytest.mark.slow
 def test_csv_from_stdin_needs_its_format_named(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, db = write_spec(tmp_path, server), tmp_path / "l.db"
     rows = b"id,text\n" + b"".join(b"c%d,hello %d\n" % (i, i) for i in range(5))
@@ -49,6 +52,7 @@ def test_csv_from_stdin_needs_its_format_named(tmp_path: Path, server: FakeProvi
     assert wrong.returncode == 2 and "--input-format is for --input -" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_export_to_stdout_is_the_data_only_and_pipes_into_jq(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, db, out = write_spec(tmp_path, server), tmp_path / "l.db", tmp_path / "out.jsonl"
     records = write_records(tmp_path, 10, [b"{broken"])
@@ -74,6 +78,7 @@ def test_export_to_stdout_is_the_data_only_and_pipes_into_jq(tmp_path: Path, ser
     assert refused.returncode == 2 and "batchrun export JOB --output -" in refused.stderr
 
 
+@pytest.mark.slow
 def test_a_reader_that_leaves_early_ends_the_export_quietly(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, db = write_spec(tmp_path, server), tmp_path / "l.db"
     records = write_records(tmp_path, 3000)
@@ -88,6 +93,7 @@ def test_a_reader_that_leaves_early_ends_the_export_quietly(tmp_path: Path, serv
         assert proc.stderr.read() == b""  # no traceback, no "Exception ignored"
 
 
+@pytest.mark.slow
 def test_csv_in_and_parquet_out(tmp_path: Path, server: FakeProviderServer) -> None:
     spec, db = write_spec(tmp_path, server), tmp_path / "l.db"
     data = tmp_path / "data.csv"

@@ -6,12 +6,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from batchrun.testing import FakeProviderServer, Faults
 
 from .conftest import run_cli
 from .test_cli import write_records, write_spec
 
 
+@pytest.mark.slow
 def test_resume_shows_the_jobs_totals_and_plain_lines_carry_a_timestamp(tmp_path: Path) -> None:
     with FakeProviderServer(Faults(seed=2, latency_s=0.2)) as server:
         spec, records = write_spec(tmp_path, server), write_records(tmp_path, 200)

@@ -70,6 +70,7 @@ def no_key_in(*paths: Path, texts: tuple[str, ...] = ()) -> None:
                 assert KEY.encode() not in candidate.read_bytes(), f"the API key is in {candidate}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("kind", ["openai", "openai-responses", "anthropic"])
 def test_same_job_on_every_api(tmp_path: Path, kind: str, stream: bool) -> None:
@@ -148,6 +149,7 @@ def echoing_server() -> Iterator[str]:
     httpd.server_close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])
 def test_a_key_echoed_by_the_server_is_masked_everywhere(tmp_path: Path, echoing_server: str, kind: str) -> None:
     spec = tmp_path / "job.toml"
@@ -217,6 +219,7 @@ def test_structured_output_is_validated_and_re_asked_on_every_api(tmp_path: Path
     assert len(log) == n + faulted["schema_violation"]  # fenced answers are read as they are, refusals end
 
 
+@pytest.mark.slow
 def test_anthropic_batch_lines_without_a_spec_and_the_anthropic_batch_export(tmp_path: Path) -> None:
     lines = [{"custom_id": f"c{i}", "params": {"model": "claude-x", "max_tokens": 100, "system": "Be brief.",
                                               "messages": [{"role": "user", "content": f"Say hello {i}"}]}}

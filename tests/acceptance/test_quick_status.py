@@ -123,6 +123,7 @@ def both_readers(db: Path) -> tuple[LedgerReader, QuickReader, Ledger]:
     return LedgerReader(ledger), quick, ledger
 
 
+@pytest.mark.slow
 def test_status_and_list_are_the_same_through_both_readers(ledger_of_jobs: Path, frozen_clock: None) -> None:
     sql, quick, ledger = both_readers(ledger_of_jobs)
     try:
@@ -157,6 +158,7 @@ def without_moments(value: object) -> object:
     return value
 
 
+@pytest.mark.slow
 def test_the_commands_print_what_the_ledger_says(ledger_of_jobs: Path, tmp_path: Path) -> None:
     """The CLI (which takes the quick reader here: tests/unit/test_startup.py) against SQLAlchemy's answers."""
     db = str(ledger_of_jobs)
@@ -208,6 +210,7 @@ def test_the_quick_reader_knows_only_the_head_revision(tmp_path: Path) -> None:
     assert not (tmp_path / "missing.db").exists()  # read-only: nothing is created
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 def test_a_postgresql_ledger_is_read_through_sqlalchemy(pg_url: str, tmp_path: Path) -> None:
     assert open_quick_reader(pg_url) is None
@@ -224,6 +227,7 @@ def test_a_postgresql_ledger_is_read_through_sqlalchemy(pg_url: str, tmp_path: P
     assert [job["job_id"] for job in listed] == [job_id]
 
 
+@pytest.mark.slow
 def test_a_distribution_read_on_its_own_thread_raises_in_the_caller(ledger_of_jobs: Path) -> None:
     reader = open_quick_reader(str(ledger_of_jobs))
     assert reader is not None

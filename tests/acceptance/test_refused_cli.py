@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 
 from batchrun.testing import FakeProviderServer, Refusals
 
@@ -22,6 +23,7 @@ def counts(tmp_path: Path, db: Path) -> dict[str, int]:
     return data
 
 
+@pytest.mark.slow
 def test_a_wrong_model_stops_the_run_with_the_providers_message(tmp_path: Path, server: FakeProviderServer) -> None:
     server.refusals = Refusals(models=frozenset({"m"}))
     spec, records, db = write_spec(tmp_path, server), write_records(tmp_path, 500), tmp_path / "l.db"
@@ -35,6 +37,7 @@ def test_a_wrong_model_stops_the_run_with_the_providers_message(tmp_path: Path, 
     assert fixed.returncode == 0, fixed.stderr
 
 
+@pytest.mark.slow
 def test_a_wrong_path_and_an_unknown_parameter_stop_too(tmp_path: Path, server: FakeProviderServer) -> None:
     records = write_records(tmp_path, 300)
     wrong_path = run_cli(tmp_path, "submit", str(write_spec(tmp_path, server)), "--input", str(records),
@@ -61,6 +64,7 @@ def test_an_item_specific_400_fails_only_its_item(tmp_path: Path, server: FakePr
     assert set(server.requests_by_key().values()) == {1}  # the refused item too: one request
 
 
+@pytest.mark.slow
 def test_a_job_with_answers_is_never_stopped_by_a_few_items_refused_alike(
     tmp_path: Path, server: FakeProviderServer
 ) -> None:

@@ -85,6 +85,7 @@ def wait_until(what: str, check: Any, timeout: float = 60) -> None:
     raise AssertionError(f"not seen within {timeout} s: {what}")
 
 
+@pytest.mark.slow
 def test_a_request_goes_out_before_the_ingest_ends(tmp_path: Path, padded_server: FakeProviderServer) -> None:
     n = 16_000
     proc, db, out = start_submit(tmp_path, padded_server, n)
@@ -108,6 +109,7 @@ def test_a_request_goes_out_before_the_ingest_ends(tmp_path: Path, padded_server
     assert set(padded_server.ok_by_key().values()) == {1}, "each record sent once"
 
 
+@pytest.mark.slow
 def test_sigkill_while_ingesting_and_sending_then_resume(tmp_path: Path, padded_server: FakeProviderServer) -> None:
     n = 16_000
     padded_server.faults = Faults(latency_s=0.01, p_500=0.02, seed=9)
@@ -144,6 +146,7 @@ def test_sigkill_while_ingesting_and_sending_then_resume(tmp_path: Path, padded_
     assert sum(1 for v in padded_server.ok_by_key().values() if v > 1) <= CONCURRENCY
 
 
+@pytest.mark.slow
 def test_overlapping_submits_find_one_job_and_one_ingester(tmp_path: Path, padded_server: FakeProviderServer) -> None:
     n = 8_000
     src, db, out = tmp_path / "in.jsonl", tmp_path / "ledger.db", tmp_path / "out.jsonl"
@@ -166,6 +169,7 @@ def test_overlapping_submits_find_one_job_and_one_ingester(tmp_path: Path, padde
     assert set(padded_server.ok_by_key().values()) == {1}
 
 
+@pytest.mark.slow
 def test_sigterm_mid_ingest_exits_75_and_resume_finishes(tmp_path: Path, padded_server: FakeProviderServer) -> None:
     n = 16_000
     proc, db, out = start_submit(tmp_path, padded_server, n)
@@ -188,6 +192,7 @@ def test_sigterm_mid_ingest_exits_75_and_resume_finishes(tmp_path: Path, padded_
     assert set(padded_server.ok_by_key().values()) == {1}
 
 
+@pytest.mark.slow
 def test_cancel_while_the_input_is_read_stops_sending_and_cancels_the_rest(
     tmp_path: Path, padded_server: FakeProviderServer
 ) -> None:
@@ -223,6 +228,7 @@ def test_cancel_while_the_input_is_read_stops_sending_and_cancels_the_rest(
     assert query(db, "select ingest_done from jobs") == [(1,)]
 
 
+@pytest.mark.slow
 def test_input_that_breaks_while_read_beside_the_run_exits_2(tmp_path: Path, padded_server: FakeProviderServer) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

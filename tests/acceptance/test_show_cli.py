@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import orjson
+import pytest
 
 from batchrun.testing import FakeProviderServer, Refusals
 
@@ -13,6 +14,7 @@ from .conftest import batchrun_cmd, cli_env, run_cli
 from .test_cli import write_records, write_spec
 
 
+@pytest.mark.slow
 def test_show_a_failed_item_and_browse_by_state(tmp_path: Path) -> None:
     db = tmp_path / "l.db"
     with FakeProviderServer(refusals=Refusals(over_context="")) as server:  # every request refused: permanent

@@ -79,6 +79,7 @@ def open_for_writing(fifo: Path, proc: subprocess.Popen[str], timeout: float = 3
 # ---------------------------------------------------------------- start-up
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_while_the_spec_is_read_stops_before_anything_is_stored(
     tmp_path: Path, server: FakeProviderServer, signum: int
@@ -112,6 +113,7 @@ def test_a_signal_while_the_spec_is_read_stops_before_anything_is_stored(
 # ---------------------------------------------------------------- any moment of a short submit
 
 
+@pytest.mark.slow
 def test_a_signal_at_any_moment_of_a_submit_exits_75_and_carrying_on_finishes_it(
     tmp_path: Path, server: FakeProviderServer
 ) -> None:
@@ -189,6 +191,7 @@ def signal_midway(proc: subprocess.Popen[str], folder: Path, signals: tuple[int,
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "signals", [(signal.SIGTERM,), (signal.SIGINT,)], ids=["SIGTERM", "SIGINT"]
 )
@@ -206,6 +209,7 @@ def test_a_signal_during_export_exits_75_and_leaves_no_temporary_file(
     assert done.returncode == 0 and len(out.read_bytes().splitlines()) == BIG
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "signals", [(signal.SIGTERM,), (signal.SIGINT,), (signal.SIGTERM, signal.SIGTERM)],
     ids=["SIGTERM", "SIGINT", "twice"],
@@ -228,6 +232,7 @@ def test_a_signal_during_the_final_export_of_resume_exits_75(
     assert not temp_files(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_killed_export_leaves_a_temporary_file_the_next_export_removes(tmp_path: Path, big_job: Path) -> None:
     out = tmp_path / "out.jsonl"
     proc = start_cli(tmp_path, "export", "1", "--db", str(big_job), "--output", str(out))
@@ -243,6 +248,7 @@ def test_a_killed_export_leaves_a_temporary_file_the_next_export_removes(tmp_pat
 # ---------------------------------------------------------------- commands that only read
 
 
+@pytest.mark.slow
 def test_ctrl_c_still_ends_status_watch_with_130(tmp_path: Path) -> None:
     """Read-only commands get the usual signals back: ``status --watch`` ends on Ctrl-C with 130."""
     db = tmp_path / "l.db"

@@ -121,6 +121,7 @@ def one_row_per_line(engine: Engine, n: int) -> None:
     assert (rows, lines, lo, hi) == (n, n, 1, n), "every input line stored once"
 
 
+@pytest.mark.slow
 def test_a_frozen_run_taken_over_stops_and_pays_for_nothing_twice(
     tmp_path: Path, db_url: str, engine: Engine
 ) -> None:
@@ -168,6 +169,7 @@ def test_a_frozen_run_taken_over_stops_and_pays_for_nothing_twice(
     assert states(engine) == Counter(succeeded=n)
 
 
+@pytest.mark.slow
 def test_an_overlapping_submit_during_a_frozen_ingest_stores_every_line_once(
     tmp_path: Path, db_url: str, engine: Engine
 ) -> None:
@@ -224,6 +226,7 @@ def resent_questions(server: FakeProviderServer, event_at: float) -> set[tuple[s
     return paid & asked_after
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_stop_during_re_asks_re_sends_at_most_the_concurrency(
     tmp_path: Path, db_url: str, engine: Engine, how: signal.Signals

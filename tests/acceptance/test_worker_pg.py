@@ -149,6 +149,7 @@ def resent_keys(requests: list[dict[str, object]]) -> int:
     return sum(1 for n in Counter(r["key"] for r in requests).values() if n > 1)
 
 
+@pytest.mark.slow
 def test_four_workers_one_killed_every_item_once(tmp_path: Path, pg_url: str, fake_server: LoggedServer) -> None:
     n = 20_000
     job = submit(tmp_path, pg_url, fake_server, n)
@@ -177,6 +178,7 @@ def test_four_workers_one_killed_every_item_once(tmp_path: Path, pg_url: str, fa
     print(f"\n{n} items, 4 workers, one SIGKILLed holding {held}: {len(requests)} requests, {resent} keys re-sent")
 
 
+@pytest.mark.slow
 def test_a_frozen_worker_sends_nothing_it_lost(tmp_path: Path, pg_url: str, fake_server: LoggedServer) -> None:
     """Issue 14, cases 2 and 6: a worker frozen (SIGSTOP) past its lease, its items swept back and
     worked by another, then woken: its heartbeat tells it which items it lost and it sends none of
@@ -208,6 +210,7 @@ def test_a_frozen_worker_sends_nothing_it_lost(tmp_path: Path, pg_url: str, fake
     assert resent_keys(requests) <= CONCURRENCY, resent_keys(requests)
 
 
+@pytest.mark.slow
 def test_job_wide_rpm_is_held_across_workers(tmp_path: Path, pg_url: str, fake_server: LoggedServer) -> None:
     rpm, n = 1800, 1500  # 30/s: ~50 s of work whatever the number of workers
     job = submit(tmp_path, pg_url, fake_server, n, "--rpm", str(rpm))
@@ -237,6 +240,7 @@ def test_job_wide_rpm_is_held_across_workers(tmp_path: Path, pg_url: str, fake_s
     assert rpm * 0.95 <= achieved <= rpm * 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("pg_ctlcluster") is None or os.geteuid() != 0, reason="needs root and Debian's pg_ctlcluster"
 )
@@ -278,6 +282,7 @@ def ensure_postgres_running() -> None:
         subprocess.run(["pg_ctlcluster", "15", "main", "start"], capture_output=True, timeout=60)
 
 
+@pytest.mark.slow
 def test_sigterm_gives_the_items_back_and_exits_75(tmp_path: Path, pg_url: str, fake_server: LoggedServer) -> None:
     n = 3000
     job = submit(tmp_path, pg_url, fake_server, n)

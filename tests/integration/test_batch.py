@@ -128,6 +128,7 @@ def test_failed_lines_go_in_the_next_shard_until_attempts_are_used(
     assert len(billed) == counts[ItemState.SUCCEEDED]
 
 
+@pytest.mark.slow
 def test_an_expired_batch_keeps_what_it_finished_and_sends_the_rest_again(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -162,6 +163,7 @@ def test_without_wait_the_run_leaves_the_batches_for_the_next_one(
     billed_once(server, 20)
 
 
+@pytest.mark.slow
 def test_structured_answers_are_validated_and_reasked_in_the_next_shard(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -193,6 +195,7 @@ def test_the_response_cache_answers_in_batch_mode_too(
     billed_once(server, 15)
 
 
+@pytest.mark.slow
 def test_a_budget_reserves_each_shard_and_stops_before_the_cap(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -233,6 +236,7 @@ def test_reasks_can_go_online(ledger: Ledger, server: FakeProviderServer, write_
     assert any(r.attempts > 1 and r.state == ItemState.SUCCEEDED for r in rows)
 
 
+@pytest.mark.slow
 def test_a_batch_over_the_enqueued_token_limit_is_sent_again_smaller(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -249,6 +253,7 @@ def test_a_batch_over_the_enqueued_token_limit_is_sent_again_smaller(
     assert all(r.attempts == 1 for r in LedgerQueries(ledger.engine).iter_items(job_id))  # refusals cost nothing
 
 
+@pytest.mark.slow
 def test_a_batch_refused_as_a_whole_is_sent_again_smaller_and_never_loops(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -266,6 +271,7 @@ def test_a_batch_refused_as_a_whole_is_sent_again_smaller_and_never_loops(
     assert stopped.counts[ItemState.PENDING] == 5
 
 
+@pytest.mark.slow
 def test_past_the_deadline_what_is_left_goes_online(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -309,6 +315,7 @@ def test_status_warns_before_the_provider_drops_uncollected_results(
     assert any(line.startswith("  warning   shard") for line in status_lines(data))
 
 
+@pytest.mark.slow
 def test_report_and_its_page_show_the_shards_and_their_turnaround(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -390,6 +397,7 @@ def creates(answers: list[str]) -> Intercept:
     return transport
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answer", ["dropped", "gateway"])
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])
 def test_a_create_that_got_no_answer_is_waited_out_before_it_is_sent_again(
@@ -436,6 +444,7 @@ def test_files_a_run_could_not_delete_are_deleted_by_the_next_run(
     billed_once(server, 6)
 
 
+@pytest.mark.slow
 def test_an_anthropic_shard_never_adopts_a_sibling_shards_batch(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -498,6 +507,7 @@ def test_a_slow_host_clock_still_finds_a_lost_anthropic_create(
     billed_once(server, 10)
 
 
+@pytest.mark.slow
 def test_a_create_that_cannot_go_out_in_time_is_never_sent(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -521,6 +531,7 @@ def test_a_create_that_cannot_go_out_in_time_is_never_sent(
     assert summary.result.stop_reason == StopReason.ERROR and summary.counts[ItemState.PENDING] == 5
 
 
+@pytest.mark.slow
 def test_cancel_then_resume_sends_nothing_more(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:

@@ -84,6 +84,7 @@ def run(ledger: Ledger, job_id: int, **over: Any) -> RunSummary:
     return asyncio.run(run_job(ledger, job_id, overrides=Overrides(**over), options=FAST))
 
 
+@pytest.mark.slow
 def test_budget_holds_at_concurrency_64_and_resume_with_more_finishes(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:

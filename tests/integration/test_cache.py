@@ -175,6 +175,7 @@ def test_no_cache_sends_everything_and_still_files_the_answers(
     assert sent(server, seen) == ["Summarise: record 34"]
 
 
+@pytest.mark.slow
 def test_a_different_model_template_or_base_url_is_a_different_request(
     ledger: Ledger, server: FakeProviderServer, make_spec: Callable[..., JobSpec], write_jsonl: Callable[..., Path]
 ) -> None:

@@ -215,6 +215,7 @@ def test_as_finished_runs_the_job_and_yields_each_result_once_without_signal_han
     assert {r.custom_id: r for r in seen} == {r.custom_id: r for r in results(ledger, result.job_id)}
 
 
+@pytest.mark.slow
 def test_as_finished_yields_while_the_run_works(ledger: Ledger, db_url: str) -> None:
     # 30 items two at a time, 0.2 s each: ~3 s of run after the first answer, so a loaded CI machine
     # that is slow to poll still hands the first one out long before the last is in (6 items raced)
@@ -228,6 +229,7 @@ def test_as_finished_yields_while_the_run_works(ledger: Ledger, db_url: str) -> 
     assert len(rest) == 29
 
 
+@pytest.mark.slow
 def test_leaving_as_finished_early_stops_the_run_and_resume_carries_on(ledger: Ledger, db_url: str) -> None:
     with FakeProviderServer(Faults(latency_s=0.2)) as slow:
         job = submit(ledger, job_spec(slow, concurrency=2), records(20), run=False).job_id

@@ -224,6 +224,7 @@ def test_overlapping_submits_ingest_once(db_url: str, write_jsonl: Callable[...,
     assert 1 in results
 
 
+@pytest.mark.slow
 def test_strict_checks_hold_custom_ids_in_bounded_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

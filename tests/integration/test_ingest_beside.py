@@ -47,6 +47,7 @@ def write_records(path: Path, n: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_first_request_goes_out_before_the_input_is_all_in(
     ledger: Ledger, server: FakeProviderServer, tmp_path: Path
 ) -> None:
@@ -69,6 +70,7 @@ def test_the_first_request_goes_out_before_the_input_is_all_in(
     assert len((tmp_path / "out.jsonl").read_bytes().splitlines()) == n
 
 
+@pytest.mark.slow
 def test_a_run_stopped_mid_ingest_leaves_it_for_resume(ledger: Ledger, server: FakeProviderServer, tmp_path: Path) -> None:
     n = 2 * N
     src = write_records(tmp_path / "in.jsonl", n)

@@ -74,6 +74,7 @@ def check(ledger: Ledger, jobs: list[int], step: str) -> None:
         check_attempts(ledger, job_id, step)
 
 
+@pytest.mark.slow
 def test_counts_stay_exact_under_a_random_mix_of_writes(ledger: Ledger) -> None:
     rng = random.Random(18)
     jobs = [ledger.create_job(SPEC, input_path=f"in{j}.jsonl", input_hash=f"h{j}-{time.time_ns()}") for j in range(2)]

@@ -316,6 +316,7 @@ class _Proxy:
         self._listener.close()
 
 
+@pytest.mark.slow
 def test_an_export_rides_out_a_server_restart(pg_url: str) -> None:
     """The export's cursor is cut by a restart and the server refuses connections for a while (chaos
     round 10025: a traceback): the export waits for it and carries on after the last line read."""

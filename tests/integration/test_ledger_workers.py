@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from batchrun.ledger import Ledger, LedgerQueries
 from batchrun.states import ItemState
 
@@ -73,6 +75,7 @@ def test_open_jobs_and_the_expired_lease_sweep(ledger: Ledger) -> None:
     assert run
 
 
+@pytest.mark.slow
 def test_rate_budget_is_one_bucket_for_every_taker(db_url: str) -> None:
     """Four takers on their own connections draw 60 requests from a 40/s bucket of 4: ~1.4 s."""
     ledgers = [Ledger.open(db_url) for _ in range(4)]

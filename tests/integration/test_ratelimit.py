@@ -49,6 +49,7 @@ def paced_run(
     return len(oks) / span, sum(r.status == 429 for r in log)
 
 
+@pytest.mark.slow
 def test_a_per_second_fixed_window_with_integer_retry_after_is_held_with_few_429s(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -62,6 +63,7 @@ def test_a_per_second_fixed_window_with_integer_retry_after_is_held_with_few_429
     assert 0.75 * PER_SECOND < rate <= PER_SECOND
 
 
+@pytest.mark.slow
 def test_a_limit_the_run_is_not_told_is_learnt_and_held(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -73,6 +75,7 @@ def test_a_limit_the_run_is_not_told_is_learnt_and_held(
     assert 0.7 * PER_SECOND < rate <= PER_SECOND
 
 
+@pytest.mark.slow
 def test_a_token_bucket_of_burst_1_is_paced_without_being_told(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -84,6 +87,7 @@ def test_a_token_bucket_of_burst_1_is_paced_without_being_told(
     assert 0.5 * PER_SECOND < rate <= PER_SECOND
 
 
+@pytest.mark.slow
 def test_a_token_bucket_of_burst_1_that_sends_no_headers_is_found_by_its_429s(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:

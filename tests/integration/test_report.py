@@ -116,6 +116,7 @@ def server_latency_ms(rec: RequestRecord) -> float:
 # -- status against the server's log ----------------------------------------------
 
 
+@pytest.mark.slow
 def test_status_json_agrees_with_the_server_log(
     tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -456,6 +457,7 @@ def _cli_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_watch_follows_a_running_job_until_it_is_done(
     tmp_path: Path, db_url: str, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:

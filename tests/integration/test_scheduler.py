@@ -68,6 +68,7 @@ def test_clean_run_every_item_once(ledger: Ledger, server: FakeProviderServer, w
     assert {r.request_id for r in rows} == {f"req_{rec.seq}" for rec in server.log}
 
 
+@pytest.mark.slow
 def test_faults_are_retried_and_nothing_is_paid_twice(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -166,6 +167,7 @@ def test_auth_error_stops_the_run_after_a_few_requests(
     assert {r.attempts for r in LedgerQueries(ledger.engine).iter_items(job_id)} == {0}
 
 
+@pytest.mark.slow
 def test_retry_after_pauses_all_dispatch(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     server.faults = Faults(latency_s=0.01)
     job_id = submit(ledger, server, write_jsonl(batch_lines(80)), concurrency=8)
@@ -214,6 +216,7 @@ def test_attempt_count_holds_across_runs(ledger: Ledger, server: FakeProviderSer
     assert server.requests_by_key()["k0"] == 4
 
 
+@pytest.mark.slow
 def test_stop_puts_unsent_items_back_and_resume_finishes(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -261,6 +264,7 @@ def test_outcomes_are_committed_in_batches(ledger: Ledger, server: FakeProviderS
     assert commits < 600 / 4, commits
 
 
+@pytest.mark.slow
 def test_slots_handed_back_together_do_not_go_out_together(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -291,6 +295,7 @@ def test_slots_handed_back_together_do_not_go_out_together(
     assert most_in_10ms <= 30, most_in_10ms
 
 
+@pytest.mark.slow
 def test_the_pace_follows_a_provider_that_has_sped_up(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -319,6 +324,7 @@ def test_the_pace_follows_a_provider_that_has_sped_up(
     assert took < 10, took
 
 
+@pytest.mark.slow
 def test_a_second_runner_on_the_same_job_is_refused(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     from batchrun.errors import JobLockedError
 
@@ -352,6 +358,7 @@ def test_model_override_and_base_url_forms(ledger: Ledger, server: FakeProviderS
     assert {orjson.loads(r.response or "{}")["model"] for r in rows} == {"override-model"}
 
 
+@pytest.mark.slow
 def test_hung_requests_are_cut_after_a_multiple_of_p99(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:
@@ -410,6 +417,7 @@ def test_resume_knows_the_jobs_latency_from_the_ledger(
     assert time.monotonic() - started < 30  # cut after ~0.5 s, not the 120 s timeout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window_s", [60.0, 1.0])
 def test_rpm_budget_paces_below_the_servers_limit(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], window_s: float
@@ -429,6 +437,7 @@ def test_rpm_budget_paces_below_the_servers_limit(
     assert 0.75 * 1200 < rate <= 1200  # close to the limit, never over it
 
 
+@pytest.mark.slow
 def test_tpm_budget_is_charged_from_usage(ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]) -> None:
     server.faults = Faults(latency_s=0.005)
     lines = batch_lines(40)
@@ -445,6 +454,7 @@ def test_tpm_budget_is_charged_from_usage(ledger: Ledger, server: FakeProviderSe
     assert elapsed < 15
 
 
+@pytest.mark.slow
 def test_an_outage_pauses_and_stops_with_items_pending(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:

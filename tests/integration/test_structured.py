@@ -164,6 +164,7 @@ def test_truncated_then_selective_retry_with_more_tokens(
     assert ledger.get_job(job_id).spec.request.max_tokens == 3  # the spec stays as submitted
 
 
+@pytest.mark.slow
 def test_random_bad_answers_each_end_valid_or_invalid_within_the_bound(
     tmp_path: Path, ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:

@@ -219,6 +219,7 @@ def test_with_handle_signals_the_run_has_its_own_handlers_and_gives_them_back(
     assert handlers() == before
 
 
+@pytest.mark.slow
 def test_a_signal_during_the_run_stops_it_and_resume_finishes(
     ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

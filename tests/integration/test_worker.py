@@ -35,6 +35,7 @@ def server() -> Iterator[FakeProviderServer]:
         yield srv
 
 
+@pytest.mark.slow
 def test_every_job_is_served_side_by_side(
     pg_ledger: Ledger, server: FakeProviderServer, write_jsonl: Callable[..., Path]
 ) -> None:

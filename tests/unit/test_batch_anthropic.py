@@ -114,6 +114,7 @@ def test_create_needs_version_header_json_and_a_body_under_the_limit() -> None:
         assert client.post("/v1/messages/batches", json=body).status_code == 200
 
 
+@pytest.mark.slow
 def test_a_create_body_bigger_than_the_online_limit() -> None:
     with serving(BatchFaults(turnaround_s=0.5)) as (server, _, client):
         text = "y" * 60_000

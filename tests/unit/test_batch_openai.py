@@ -156,6 +156,7 @@ def _peak_rss_kib(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
+@pytest.mark.slow
 def test_upload_of_hundreds_of_mb_streams_to_disk(tmp_path: Path) -> None:
     size = 300 * 1024 * 1024
     piece = (b'{"custom_id":"x","method":"POST","url":"/v1/chat/completions","body":{}}' + b" " * 951 + b"\n")
@@ -265,6 +266,7 @@ def test_validation_failure_of_the_whole_file(data: bytes, code: str) -> None:
         assert [(e["code"], e["line"]) for e in batch["errors"]["data"]] == [(code, None)]
 
 
+@pytest.mark.slow
 def test_token_limit_exceeded_counts_unfinished_batches_of_the_model() -> None:
     # each line: one user message of 20 chars = 6 tokens by the fake's count
     lines = [chat_line(f"r{i}", "x" * 20) for i in range(5)]  # 30 tokens

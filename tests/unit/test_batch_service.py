@@ -91,6 +91,7 @@ def test_api_key_is_checked_on_every_batch_route() -> None:
         assert wrong.status_code == 401 and "nope" not in wrong.text
 
 
+@pytest.mark.slow
 def test_restart_on_a_state_dir_mid_batch_bills_nothing_twice(tmp_path: Path) -> None:
     state, log = tmp_path / "state", tmp_path / "server.jsonl"
     faults = BatchFaults(turnaround_s=3.0, validating_s=0.1, finalizing_s=0.1)

@@ -113,6 +113,7 @@ def test_a_rate_limited_run_never_opens_at_once() -> None:
     asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_request_window_never_lets_a_second_hold_more_than_its_share() -> None:
     async def go() -> list[float]:
         window = RequestWindow(600)  # 10 per second

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from batchrun.ledger.basics import resolve_db_url
 from batchrun.spec import Overrides, spec_for_batch_input
 
@@ -77,6 +79,7 @@ def test_help_loads_no_ledger_no_http_no_rich() -> None:
     assert loaded(modules, "sqlalchemy", "alembic", "httpx", "aiohttp", "rich", "jsonschema", "tenacity", "asyncio") == []
 
 
+@pytest.mark.slow
 def test_status_and_list_read_a_sqlite_ledger_without_sqlalchemy(tmp_path: Path) -> None:
     """``status`` and ``list`` on a SQLite ledger at the schema head take the quick reader (sqlite3,
     read-only); ``status --watch`` and a ledger they do not know take the ledger (SQLAlchemy)."""
