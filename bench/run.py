@@ -783,7 +783,7 @@ SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "t1": t1, "t2": t2, "t2l": t2l, **{name: _t3_variant(name) for name in T3_VARIANTS},
     "t4": t4, "t5": t5, "t5s": t5s, "t6": t6,
 }
-PROFILABLE = {"t1", "t2", "t5", "t5s", "t6"}
+PROFILABLE = {"t1", "t2", "t2l", "t5", "t5s", "t6"}
 
 
 def precompile() -> None:
