@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import getpass
 import os
+import stat
 import sys
 import tempfile
 import uuid
@@ -24,10 +26,35 @@ os.environ["BATCHRUN_TIKTOKEN"] = "0"
 # start would compile batchrun's sources again (~0.4 s a command) and each collection would
 # rewrite every test module's asserts again (~10 s): the bytecode goes to a cache outside the
 # tree instead, for the tests' own subprocesses and for the test modules collected after this.
-if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
-    sys.pycache_prefix = os.environ.setdefault(
-        "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"batchrun-tests-pycache-{os.getuid()}"))
-    sys.dont_write_bytecode = False
+# The cache is a folder of this user's alone (mode 0700, checked), as pytest keeps its own
+# temporary folders, so no other user of a shared /tmp can plant bytecode in it.
+
+
+def _own_bytecode_cache() -> str | None:
+    """A folder under the temporary directory that only this user can write, or None."""
+    try:
+        user = str(os.getuid()) if hasattr(os, "getuid") else getpass.getuser()
+        folder = Path(tempfile.gettempdir()) / f"batchrun-tests-pycache-{user}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = folder.lstat()
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            return None
+        if hasattr(os, "getuid"):
+            if st.st_uid != os.getuid():
+                return None
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                folder.chmod(0o700)  # ours, made by an earlier version with the umask's mode
+    except (OSError, KeyError):  # getuser: no name for this user
+        return None
+    return str(folder)
+
+
+if os.environ.get("PYTHONDONTWRITEBYTECODE") and "PYTHONPYCACHEPREFIX" not in os.environ:
+    _cache = _own_bytecode_cache()
+    if _cache is not None:
+        del os.environ["PYTHONDONTWRITEBYTECODE"]
+        os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = _cache
+        sys.dont_write_bytecode = False
 
 
 def pg_schema_url(schema: str) -> str:
