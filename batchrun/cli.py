@@ -21,7 +21,7 @@ import orjson
 from batchrun import interrupt
 from batchrun.errors import BatchrunError, LedgerWriteError, StoppedError, UsageError
 from batchrun.eventloop import run_sync
-from batchrun.export import FORMATS, export_job
+from batchrun.formats import FORMATS, INPUT_FORMATS, MODES
 from batchrun.ledger.basics import (
     RETRY_FILTERS,
     SHOW_FILTERS,
@@ -32,13 +32,12 @@ from batchrun.ledger.basics import (
 )
 from batchrun.provider_registry import DEFAULT_KIND, KINDS
 from batchrun.redact import RedactingFilter, redact
-from batchrun.spec import MODES, Overrides, load_spec, spec_for_batch_input
 from batchrun.states import ALL_STATES, USER_RETRYABLE_STATES, ExitCode, StopReason
-from batchrun.tabular import INPUT_FORMATS
 
 if TYPE_CHECKING:
     from batchrun.batch import BatchOptions
     from batchrun.ledger import Ledger, StatusReader
+    from batchrun.spec import JobSpec, Overrides
     from batchrun.jobs import DryRun, PreparedJob
     from batchrun.submission import OnStart, SubmitResult
 
@@ -154,7 +153,16 @@ def _batch_options(command: str, wait: bool | None, quiet: bool) -> BatchOptions
 
 
 def _overrides(kw: dict[str, Any]) -> Overrides:
+    from batchrun.spec import Overrides
+
     return Overrides.from_flags({**kw, "cache": False if kw.get("no_cache") else None})
+
+
+def _job_spec(spec: str | None, overrides: Overrides) -> JobSpec:
+    """The spec file with the flags over it, or without one the spec the flags make for batch lines."""
+    from batchrun.spec import load_spec, spec_for_batch_input
+
+    return load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
 
 
 class Duration(click.ParamType):  # type: ignore[type-arg]
@@ -490,7 +498,7 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str | Non
     # The job keeps its spec as written (and the run-time overrides that shape it); --max-runtime is
     # this invocation's only: a later resume must not stop after the same time.
     stored = overrides.without("max_runtime")
-    job_spec = load_spec(spec, stored) if spec else spec_for_batch_input(stored)
+    job_spec = _job_spec(spec, stored)
     input_path = _input_file(input_path, kw.get("input_format"), db)
     if dry_run:
         from batchrun.jobs import dry_run as estimate
@@ -799,6 +807,8 @@ def export_cmd(job: int, output: str, fmt: str, errors: str | None, force: bool,
     if output == "-":
         _export_to_stdout(db, job, fmt, errors, force)
         return
+    from batchrun.export import export_job
+
     with _open(db, existing=True) as ledger:
         result = export_job(ledger, job, output, fmt=fmt, errors=errors, force=force, handle_signals=True)
     click.echo(f"output: {result.path} ({result.lines} lines)")
@@ -812,6 +822,8 @@ def _export_to_stdout(db: str | None, job: int, fmt: str, errors: str | None, fo
     """``export --output -``: the data and nothing else on stdout. A reader that goes away early
     (``| head``) ends the command quietly with 141, as a shell's SIGPIPE would."""
     import os
+
+    from batchrun.export import export_job
 
     stdout = sys.stdout.buffer
     try:
@@ -1037,7 +1049,7 @@ def check(spec: str | None, input_path: str, line: int, as_json: bool, **kw: Any
     from batchrun.providers import missing_api_key
 
     overrides = _overrides(kw)
-    job_spec = load_spec(spec, overrides) if spec else spec_for_batch_input(overrides)
+    job_spec = _job_spec(spec, overrides)
     missing = missing_api_key(job_spec)
     if missing is not None:
         raise missing

@@ -32,16 +32,15 @@ import orjson
 
 from batchrun import interrupt
 from batchrun.errors import ExportError, ExportWriteError, StoppedError
+from batchrun.formats import FORMATS, TABLE_FORMATS
 from batchrun.hints import command
-from batchrun.provider_registry import BATCH_FORMATS, kinds_of_format, provider_entry
+from batchrun.provider_registry import kinds_of_format, provider_entry
 from batchrun.states import ERROR_STATES, OPEN_STATES, ItemState
 from batchrun.tabular import Column, csv_chunks, parquet_chunks
 
 if TYPE_CHECKING:
     from batchrun.ledger import ItemRow, Ledger
 
-TABLE_FORMATS = ("csv", "parquet")
-FORMATS = ("results", *BATCH_FORMATS, *TABLE_FORMATS)  # ours, each provider batch API's line shape, tables
 STREAM_NAME = "-"  # an export to a stream (``--output -``) has this as its path
 TEMP_SUFFIX = ".tmp"
 _TEMP_STEM = 200  # of the target's name in a temporary name: room is left for the random part (255 in all)
@@ -409,7 +408,7 @@ def _export(
     force: bool,
     should_stop: Callable[[], bool] | None,
 ) -> ExportResult:
-    # Here, not above: the command line imports this module for FORMATS, and --help opens no ledger.
+    # Here, not above: the ledger's queries (SQLAlchemy) load only when an export runs.
     from batchrun.ledger.queries import LedgerQueries
     from batchrun.providers.batch_formats import RESULTS_LINES
 

@@ -25,7 +25,6 @@ import orjson
 
 from batchrun.errors import ExportError
 from batchrun.budget import budget_status
-from batchrun.export import write_atomic
 from batchrun.ledger.protocol import RunsReader, StatusReader, status_reader
 from batchrun.ledger.records import AttemptTotals, Distribution, ErrorGroup, JobRecord, RunRow, pid_alive
 from batchrun.states import FINISHED_STATES, OPEN_STATES, ItemState, job_state
@@ -773,6 +772,8 @@ def write_html_report(path: str | os.PathLike[str], page: str, *, force: bool = 
             raise ExportError(f"{target}: cannot read the existing file: {exc.strerror}") from exc
         if f'<meta name="generator" content="{HTML_GENERATOR}">' not in head:
             raise ExportError(f"{target} exists and is not a batchrun report; choose another name or pass --force")
+    from batchrun.export import write_atomic  # here: status and report load no writers
+
     try:
         write_atomic(target, [page.encode("utf-8")])  # the export's own atomic write, leftovers cleared
     except OSError as exc:

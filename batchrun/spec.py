@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from batchrun.errors import SpecError
+from batchrun.formats import MODES
 from batchrun.provider_registry import (
     DEFAULT_ANTHROPIC_VERSION,
     DEFAULT_KIND,
@@ -166,7 +167,6 @@ class RunSpec:
 
 
 RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(RunSpec))
-MODES = ("online", "batch")  # [run] mode, --mode
 FLEX_TIMEOUT = 900.0  # [run] timeout under service_tier = "flex" unless the spec sets one (OpenAI's advice)
 
 

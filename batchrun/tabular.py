@@ -30,7 +30,6 @@ from batchrun.errors import ExportError, InputError
 if TYPE_CHECKING:
     import pyarrow
 
-INPUT_FORMATS = ("jsonl", "csv", "parquet")
 _SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 FORMAT_SUFFIX = {"jsonl": ".jsonl", "csv": ".csv", "parquet": ".parquet"}
 PARQUET_READ_BATCH = 1024  # rows turned into records at a time

@@ -77,6 +77,9 @@ def test_help_loads_no_ledger_no_http_no_rich() -> None:
     modules = command_imports("--help")
     assert "batchrun.cli" in modules
     assert loaded(modules, "sqlalchemy", "alembic", "httpx", "aiohttp", "rich", "jsonschema", "tenacity", "asyncio") == []
+    # The choices come from batchrun.formats: neither the spec parser nor the writers load (~30 ms).
+    assert "batchrun.formats" in modules
+    assert loaded(modules, "batchrun.spec", "batchrun.export", "batchrun.tabular", "tomllib") == []
 
 
 @pytest.mark.slow
@@ -95,7 +98,8 @@ def test_status_and_list_read_a_sqlite_ledger_without_sqlalchemy(tmp_path: Path)
         assert "batchrun.ledger.quick" in modules and "batchrun.report" in modules or args[0] == "list", args
         assert "batchrun.listing" in modules or args[0] == "status", args  # the check is not vacuous
         assert loaded(modules, "sqlalchemy", "alembic", "httpx", "aiohttp", "rich", "jsonschema", "asyncio",
-                      "batchrun.ledger.store", "batchrun.scheduler", "batchrun.providers.http") == [], args
+                      "batchrun.ledger.store", "batchrun.scheduler", "batchrun.providers.http",
+                      "batchrun.export", "batchrun.tabular") == [], args
     # On a ledger of an older schema (here 0008, before the counts were kept) the same commands
     # go through the ledger, which upgrades it as before.
     from alembic import command
