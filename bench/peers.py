@@ -37,9 +37,9 @@ def write_bodies(batch: Path, out: Path) -> None:
 
 
 def measure(tool: str, wd: Path, shape: str, cookbook: Path) -> dict[str, Any]:
-    n, latency, concurrency, kill_at = SHAPES[shape]
+    _, latency, concurrency, kill_at = SHAPES[shape]
     srv = bench.Server(wd, f"server-{tool}", latency=latency)
-    env = dict(os.environ)
+    env = None  # batchrun: this process's environment, PYTHONPATH included (an A/B's other tree)
     try:
         if tool == "batchrun":
             for p in wd.glob("ledger.db*"):
@@ -52,12 +52,8 @@ def measure(tool: str, wd: Path, shape: str, cookbook: Path) -> dict[str, Any]:
                    "--request_url", srv.base_url + "/chat/completions",
                    "--max_requests_per_minute", "1000000000", "--max_tokens_per_minute", "100000000000",
                    "--logging_level", "40"]
-            os.environ["PYTHONPATH"] = str(STUB)
-        try:
-            child = bench.Child(cmd, wd, tool)
-        finally:
-            os.environ.clear()
-            os.environ.update(env)
+            env = {**os.environ, "PYTHONPATH": str(STUB)}
+        child = bench.Child(cmd, wd, tool, env=env)
         res = child.run(kill_at or 900)
     finally:
         srv.stop()

@@ -156,7 +156,8 @@ def cli_supports(command: str, flag: str) -> bool:
 class Child:
     """A measured subprocess: reaped with wait4 (its exact rusage), CPU sampled via /proc."""
 
-    def __init__(self, cmd: list[str], workdir: Path, name: str, *, profile: Path | None = None) -> None:
+    def __init__(self, cmd: list[str], workdir: Path, name: str, *, profile: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.stdout_path = workdir / f"{name}.out"
         self.stderr_path = workdir / f"{name}.err"
@@ -172,7 +173,7 @@ class Child:
         self.t_end: float | None = None
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.t_start = time.time()
-            self.p = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+            self.p = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
                                       cwd=ROOT, preexec_fn=_die_with_parent)
         self._waiter = threading.Thread(target=self._wait, daemon=True)
         self._waiter.start()
