@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -59,6 +60,10 @@ def command_startup() -> None:
     global _command
     _command = True
     gc.set_threshold(*STARTUP_GC_THRESHOLD)
+    # httpx imports its own command line (rich's console and pygments: 25-70 ms) whenever
+    # click and rich are installed, as they are here; None makes that import fail, and
+    # httpx then defines a stand-in ``httpx.main``. This command never calls it.
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
     if os.environ.get(UVLOOP_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         use_uvloop(False)
 

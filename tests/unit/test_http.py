@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import orjson
@@ -12,7 +16,7 @@ import pytest
 from batchrun.errors import RateLimitedError, RetryableError
 from batchrun.providers import Provider, Reply, provider_for
 from batchrun.providers.base import PreparedRequest
-from batchrun.providers.http import Sender, _http_request
+from batchrun.providers.http import Sender, _http_request, tls_context
 from batchrun.spec import parse_spec
 
 ANSWER = {"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
@@ -95,3 +99,51 @@ def test_an_unknown_transport_is_refused() -> None:
     spec = parse_spec({"provider": {"base_url": "http://h"}}, where="test.toml")
     with pytest.raises(ValueError, match="expected aiohttp or httpx"):
         Sender.for_spec(spec, transport="carrier-pigeon")
+
+
+def test_only_a_plain_http_endpoint_skips_the_ca_bundle() -> None:
+    assert tls_context("https://api.openai.com/v1") is True and tls_context(None) is True
+    context = tls_context("http://127.0.0.1:8000/v1")
+    assert isinstance(context, ssl.SSLContext)
+    # It still checks names and certificates, against no CA at all.
+    assert (context.verify_mode, context.check_hostname) == (ssl.CERT_REQUIRED, True)
+    assert context.cert_store_stats()["x509"] == 0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command for a self-signed certificate")
+@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+def test_a_sender_for_a_plain_http_endpoint_refuses_any_tls_server(tmp_path: Path, transport: str) -> None:
+    """The context a plain-http job gets fails closed: a TLS request through it is never made unverified."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(cert, key)
+    handshakes: list[str] = []
+
+    async def go() -> BaseException:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            handshakes.append("done")  # never reached: the client gives up in the handshake
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_context)
+        port = server.sockets[0].getsockname()[1]
+        spec = parse_spec({"provider": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"},
+                           "request": {"template": "{text}"}}, where="test.toml")
+        request = PreparedRequest(f"https://127.0.0.1:{port}/v1/chat/completions",
+                                  httpx.Headers({"content-type": "application/json"}), b"{}")
+        try:
+            async with Sender.for_spec(spec, transport=transport) as sender:
+                with pytest.raises(RetryableError) as info:
+                    await sender.send(chat_provider(), request, total_timeout=5.0)
+                return info.value
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    error = asyncio.run(go())
+    assert error.error_class == "tls", error
+    assert handshakes == []

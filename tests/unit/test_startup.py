@@ -82,6 +82,17 @@ def test_help_loads_no_ledger_no_http_no_rich() -> None:
     assert loaded(modules, "batchrun.spec", "batchrun.export", "batchrun.tabular", "tomllib") == []
 
 
+def test_the_command_loads_httpx_without_its_command_line(tmp_path: Path) -> None:
+    """httpx imports its own CLI (rich's console, pygments) when click and rich are installed;
+    the command's start-up keeps it out (25-70 ms)."""
+    job = Path(__file__).resolve().parents[2] / "jobs"
+    modules = command_imports("submit", str(job / "summarize.toml"), "--input", str(job / "summarize.jsonl"),
+                              "--dry-run", db=str(tmp_path / "ledger.db"))
+    assert "httpx" in modules  # the check is not vacuous
+    assert loaded(modules, "pygments", "rich.syntax", "rich.console") == []
+    assert "pygments" in fresh_python("import sys, httpx\nprint(' '.join(sys.modules))").split()  # without it, it would
+
+
 @pytest.mark.slow
 def test_status_and_list_read_a_sqlite_ledger_without_sqlalchemy(tmp_path: Path) -> None:
     """``status`` and ``list`` on a SQLite ledger at the schema head take the quick reader (sqlite3,
