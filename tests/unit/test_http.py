@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import shutil
 import ssl
 import subprocess
+import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -147,3 +150,92 @@ def test_a_sender_for_a_plain_http_endpoint_refuses_any_tls_server(tmp_path: Pat
     error = asyncio.run(go())
     assert error.error_class == "tls", error
     assert handshakes == []
+
+
+def _serve_once_per_request(respond: Callable[[], bytes]) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any]:
+    """A raw HTTP/1.1 handler: reads each request (headers and Content-Length body), writes ``respond()``."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                writer.write(respond())
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return handle
+
+
+def _http_answer(body: bytes, *headers: str, length: int | None = None) -> bytes:
+    lines = ["HTTP/1.1 200 OK", "Content-Type: application/json", f"Content-Length: {len(body) if length is None else length}",
+             *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("encoding", [None, "gzip", "deflate"])
+def test_the_aiohttp_transport_reads_plain_and_compressed_answers(encoding: str | None) -> None:
+    """A plain body is read from aiohttp in one call; a compressed one is decoded by httpx."""
+    body = orjson.dumps(ANSWER)
+    if encoding == "gzip":
+        sent, headers = gzip.compress(body), ["Content-Encoding: gzip"]
+    elif encoding == "deflate":
+        sent, headers = zlib.compress(body), ["Content-Encoding: deflate"]
+    else:
+        sent, headers = body, []
+
+    async def go() -> tuple[Reply, bool]:
+        server = await asyncio.start_server(_serve_once_per_request(lambda: _http_answer(sent, *headers)), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        spec = parse_spec({"provider": {"kind": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "model": "m"},
+                           "request": {"template": "{text}"}}, where="test.toml")
+        provider = provider_for(spec, api_key="sk-test-0123456789abcdef")
+        request = provider.prepare(None, orjson.dumps({"messages": [{"role": "user", "content": "hi"}]}).decode())
+        try:
+            async with Sender.for_spec(spec) as sender:
+                replies = [await sender.send(provider, request, total_timeout=5.0) for _ in range(3)]  # one connection
+                # What the one-call read relies on (httpx_aiohttp's stream keeps aiohttp's response there):
+                transport = sender._transport
+                response = await transport.handle_async_request(_http_request(request, {}))
+                direct = getattr(response.stream, "_aiohttp_response", None) is not None
+                await response.aclose()
+            return replies[-1], direct
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    reply, direct = asyncio.run(go())
+    assert (reply.output, reply.input_tokens) == ("hi", 3)
+    assert direct
+
+
+def test_an_answer_cut_short_through_the_aiohttp_transport_is_retryable() -> None:
+    body = orjson.dumps(ANSWER)
+
+    async def go() -> BaseException:
+        async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(_http_answer(body[:10], length=len(body)))  # promises more than it sends
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(cut, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        spec = parse_spec({"provider": {"kind": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "model": "m"},
+                           "request": {"template": "{text}"}}, where="test.toml")
+        provider = provider_for(spec, api_key="sk-test-0123456789abcdef")
+        request = provider.prepare(None, orjson.dumps({"messages": []}).decode())
+        try:
+            async with Sender.for_spec(spec) as sender:
+                with pytest.raises(RetryableError) as info:
+                    await sender.send(provider, request, total_timeout=5.0)
+                return info.value
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(go()).error_class == "truncated_body"
