@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -143,6 +142,8 @@ def run_state(run: RunRow, now: float, stale_after: float) -> str:
     ``stale_after``) or ``live``."""
     if run.ended_at is not None:
         return "ended"
+    import socket  # here: only a run that has not ended needs the host's name
+
     if run.host == socket.gethostname() and not pid_alive(run.pid):
         return "dead"
     return "dead" if now - run.heartbeat_at > stale_after else "live"

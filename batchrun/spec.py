@@ -7,10 +7,8 @@ library only ever sees the frozen result.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -336,6 +334,8 @@ class JobSpec:
             data["request"].pop("max_input_tokens")
         data["provider"].pop("api_key_file")  # where the key is read from, not what is sent
         data["provider"].pop("api_key_env")
+        import hashlib  # here: commands that only read a stored spec (status) never hash one
+
         return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
     def with_overrides(self, overrides: Overrides) -> JobSpec:
@@ -430,6 +430,8 @@ def load_spec(path: str | Path, overrides: Overrides | None = None) -> JobSpec:
         raise SpecError(f"{path}: no such spec file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read spec: {exc}") from exc
+    import tomllib  # here: a stored spec is JSON, and status reads only those
+
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
