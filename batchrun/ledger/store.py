@@ -12,15 +12,12 @@ from the event loop goes through :class:`~batchrun.ledger.facade.AsyncLedger`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import itertools
 import os
 import socket
-import sqlite3
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -247,60 +244,6 @@ _SQLITE_PUT_BACK = (
 
 _CLAIMED_COLUMNS = item_columns(ClaimedItem, {"claim": "lease_claim"})
 _SQLITE_PROGRESS = "UPDATE items SET followups = ? " + _SQLITE_HELD
-
-# The writer's three hot statements, each one statement per batch of rows (a VALUES list):
-# executemany steps SQLite once per row and gives up the GIL for every step, and taking it back
-# from a busy event loop made a commit of 20 answers wait ~13 ms (bench/RESULTS.md), which
-# a clean answer's slot waits with it. Written per row count (the driver caches each).
-_ROWS_PER_STATEMENT = 200  # 200 x 19 bound values, far below SQLite's 32,766
-_VALUES_LISTS_FROM = (3, 33, 0)  # UPDATE ... FROM and 32,766 bound values: SQLite 3.33
-
-
-@functools.lru_cache(maxsize=256)
-def _values_list(width: int, rows: int) -> str:
-    one = f"({', '.join('?' * width)})"
-    return ", ".join([one] * rows)
-
-
-def _sqlite_insert_attempts(rows: int) -> str:
-    return f"INSERT INTO attempts ({', '.join(_ATTEMPT_COLUMNS)}) VALUES {_values_list(len(_ATTEMPT_COLUMNS), rows)}"
-
-
-def _sqlite_charge_attempts(rows: int) -> str:
-    return (
-        f"UPDATE items SET attempts = items.attempts + v.column1 FROM (VALUES {_values_list(2, rows)}) AS v "
-        "WHERE items.id = v.column2"
-    )
-
-
-def _sqlite_land(rows: int) -> str:
-    assigned = ", ".join(f"{c} = v.column{i}" for i, c in enumerate(FINAL_COLUMNS, 1))
-    return (
-        f"UPDATE items SET {assigned}, lease_owner = NULL, lease_expires = NULL, lease_claim = NULL "
-        f"FROM (VALUES {_values_list(len(FINAL_COLUMNS) + 1, rows)}) AS v "
-        f"WHERE items.id = v.column{len(FINAL_COLUMNS) + 1} "
-        f"AND items.state IN ({', '.join(repr(str(s)) for s in UNANSWERED)})"
-    )
-
-
-def _execute_rows(
-    conn: Connection, per_row: str, per_batch: Callable[[int], str], rows: Sequence[tuple[Any, ...]], *,
-    first_per_item: bool = False,
-) -> None:
-    """``rows`` through one statement per batch of them (``per_batch(n)``), or, on a SQLite older
-    than 3.33, the ``per_row`` statement through executemany.
-
-    ``first_per_item``: of rows naming the same item (their last value), only the first counts, as
-    the per-row statement's guard keeps it; an UPDATE ... FROM whose rows name an item twice takes either.
-    """
-    if sqlite3.sqlite_version_info < _VALUES_LISTS_FROM:
-        conn.exec_driver_sql(per_row, list(rows))
-        return
-    if first_per_item:
-        rows = list({row[-1]: row for row in reversed(rows)}.values())
-    for start in range(0, len(rows), _ROWS_PER_STATEMENT):
-        part = rows[start:start + _ROWS_PER_STATEMENT]
-        conn.exec_driver_sql(per_batch(len(part)), tuple(itertools.chain.from_iterable(part)))
 
 
 def _no_nul(value: Any) -> Any:
@@ -1008,21 +951,16 @@ class Ledger:
         """:meth:`record` for SQLite, with the same statements written for its driver (never replayed)."""
         with self._write() as conn:
             if attempts:
-                _execute_rows(
-                    conn, _SQLITE_INSERT_ATTEMPTS, _sqlite_insert_attempts,
-                    [tuple(getattr(a, c) for c in _ATTEMPT_COLUMNS) for a in attempts],
+                conn.exec_driver_sql(
+                    _SQLITE_INSERT_ATTEMPTS, [tuple(getattr(a, c) for c in _ATTEMPT_COLUMNS) for a in attempts]
                 )
                 charged = Counter(a.item_id for a in attempts if a.counted)
                 if charged:
-                    _execute_rows(
-                        conn, _SQLITE_CHARGE_ATTEMPTS, _sqlite_charge_attempts,
-                        [(n, item_id) for item_id, n in charged.items()],
-                    )
+                    conn.exec_driver_sql(_SQLITE_CHARGE_ATTEMPTS, [(n, item_id) for item_id, n in charged.items()])
             landed = [o for o in outcomes if o.state == ItemState.SUCCEEDED]
             if landed:
-                _execute_rows(
-                    conn, _SQLITE_LAND, _sqlite_land,
-                    [(*(getattr(o, c) for c in FINAL_COLUMNS), o.item_id) for o in landed], first_per_item=True,
+                conn.exec_driver_sql(
+                    _SQLITE_LAND, [(*(getattr(o, c) for c in FINAL_COLUMNS), o.item_id) for o in landed]
                 )
             finished = [o for o in outcomes if o.state not in _NOT_FINAL and o.state != ItemState.SUCCEEDED]
             if finished:
