@@ -151,11 +151,10 @@ class Sender:
 def tls_context(base_url: str | None) -> ssl.SSLContext | bool:
     """``True`` (httpx's verified context on certifi's CAs) unless the job's endpoint is plain http.
 
-    Every request of a run goes to its base URL, and loading the CA bundle costs
-    30-90 ms of start-up here (certifi's bundle; aiohttp loads the system store at import
-    anyway) that a plain-http endpoint (a local server) never uses.
-    That one gets a context that trusts no certificate at all, so it could never
-    carry an unverified TLS connection.
+    Every request of a run goes to its base URL, and loading certifi's bundle costs
+    30-90 ms of start-up here that a plain-http endpoint (a local server) never uses
+    (aiohttp loads the system store at import anyway). Such a job gets a context that
+    trusts no certificate at all, so it could never carry an unverified TLS connection.
     """
     if base_url is None or not base_url.lower().startswith("http://"):
         return True

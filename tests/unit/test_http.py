@@ -21,16 +21,19 @@ from batchrun.errors import RateLimitedError, RetryableError
 from batchrun.providers import Provider, Reply, provider_for
 from batchrun.providers.base import PreparedRequest
 from batchrun.providers.http import Sender, _http_request, tls_context
-from batchrun.spec import parse_spec
+from batchrun.spec import JobSpec, parse_spec
 
 ANSWER = {"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
           "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
 
 
-def chat_provider() -> Provider:
-    spec = parse_spec({"provider": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"},
+def chat_spec(base_url: str = "http://127.0.0.1:9/v1") -> JobSpec:
+    return parse_spec({"provider": {"kind": "openai", "base_url": base_url, "model": "m"},
                        "request": {"template": "{text}"}}, where="test.toml")
-    return provider_for(spec, api_key="sk-test-0123456789abcdef")
+
+
+def chat_provider(base_url: str = "http://127.0.0.1:9/v1") -> Provider:
+    return provider_for(chat_spec(base_url), api_key="sk-test-0123456789abcdef")
 
 
 @pytest.mark.parametrize(
@@ -137,8 +140,7 @@ def test_a_sender_for_a_plain_http_endpoint_refuses_any_tls_server(tmp_path: Pat
 
         server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_context)
         port = server.sockets[0].getsockname()[1]
-        spec = parse_spec({"provider": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"},
-                           "request": {"template": "{text}"}}, where="test.toml")
+        spec = chat_spec()
         request = PreparedRequest(f"https://127.0.0.1:{port}/v1/chat/completions",
                                   httpx.Headers({"content-type": "application/json"}), b"{}")
         try:
@@ -204,9 +206,8 @@ def test_the_aiohttp_transport_reads_plain_and_compressed_answers(encoding: str 
     async def go() -> tuple[Reply, bool]:
         server = await asyncio.start_server(_serve_once_per_request(lambda: _http_answer(sent, *headers)), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        spec = parse_spec({"provider": {"kind": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "model": "m"},
-                           "request": {"template": "{text}"}}, where="test.toml")
-        provider = provider_for(spec, api_key="sk-test-0123456789abcdef")
+        url = f"http://127.0.0.1:{port}/v1"
+        spec, provider = chat_spec(url), chat_provider(url)
         request = provider.prepare(None, orjson.dumps({"messages": [{"role": "user", "content": "hi"}]}).decode())
         try:
             async with Sender.for_spec(spec) as sender:
@@ -239,9 +240,8 @@ def test_an_answer_cut_short_through_the_aiohttp_transport_is_retryable() -> Non
 
         server = await asyncio.start_server(cut, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        spec = parse_spec({"provider": {"kind": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "model": "m"},
-                           "request": {"template": "{text}"}}, where="test.toml")
-        provider = provider_for(spec, api_key="sk-test-0123456789abcdef")
+        url = f"http://127.0.0.1:{port}/v1"
+        spec, provider = chat_spec(url), chat_provider(url)
         request = provider.prepare(None, orjson.dumps({"messages": []}).decode())
         try:
             async with Sender.for_spec(spec) as sender:
