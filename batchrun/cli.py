@@ -491,6 +491,10 @@ def submit(spec: str | None, input_path: str, output: str | None, fmt: str | Non
       batchrun submit jobs/summarize.toml --input jobs/summarize.jsonl --budget-usd 5
       batchrun submit jobs/summarize.toml --input day2.jsonl       # day 1's records reused
     """
+    if input_path != "-" and not dry_run:
+        from batchrun.input_hash import start_hashing
+
+        start_hashing(input_path)  # the job's identity, hashed on a thread beside the imports below
     from batchrun.scheduler import RunOptions
     from batchrun.submission import submit as submit_job
 

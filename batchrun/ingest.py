@@ -8,7 +8,6 @@ row a record. Every line (row) becomes exactly one item: a request ready to send
 from __future__ import annotations
 
 import difflib
-import hashlib
 import os
 import sqlite3
 import threading
@@ -68,22 +67,6 @@ class _BadLine(Exception):
         super().__init__(reason)
         self.error_class = error_class
         self.reason = reason
-
-
-def hash_input(path: str | os.PathLike[str]) -> str:
-    """SHA-256 of the input file's bytes: the input half of a job's identity."""
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(HASH_CHUNK):
-                digest.update(chunk)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such input file") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory, expected a JSONL file") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read input: {exc.strerror or exc}") from exc
-    return digest.hexdigest()
 
 
 def iter_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:

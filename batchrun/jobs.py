@@ -30,9 +30,9 @@ from batchrun.ingest import (
     RequestBuilder,
     check_input,
     first_item_or_why,
-    hash_input,
     ingest,
 )
+from batchrun.input_hash import hash_input
 from batchrun.ledger import JobRecord, Ledger, LedgerQueries, ride_out
 from batchrun.ledger.shards import ShardLedger
 from batchrun.pricing import Price, price_for

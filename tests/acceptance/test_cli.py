@@ -351,7 +351,7 @@ def test_max_runtime_stops_cleanly_with_exit_75(tmp_path: Path, server: FakeProv
 
 @pytest.mark.slow
 def test_resume_finishes_an_interrupted_ingest(tmp_path: Path, server: FakeProviderServer) -> None:
-    from batchrun.ingest import hash_input
+    from batchrun.input_hash import hash_input
     from batchrun.ledger import Ledger
     from batchrun.spec import load_spec
 

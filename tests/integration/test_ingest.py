@@ -145,7 +145,7 @@ def test_same_spec_and_content_finds_the_job(ledger: Ledger, write_jsonl: Callab
 
 def test_interrupted_ingest_carries_on_after_last_line(ledger: Ledger, write_jsonl: Callable[..., Path]) -> None:
     path = write_jsonl([batch_line(str(i)) for i in range(1, 8)])
-    from batchrun.ingest import hash_input
+    from batchrun.input_hash import hash_input
 
     job_id = ledger.create_job(BATCH_SPEC, input_path=str(path), input_hash=hash_input(path))
     builder = RequestBuilder(BATCH_SPEC, provider_for(BATCH_SPEC, read_key=False))
