@@ -19,20 +19,21 @@ def db_flag(ledger_url: str) -> str:
     hidden cannot be pasted: the hint leaves it to ``$BATCHRUN_DB`` when that names it, else
     asks for the user's own ``--db`` value.
     """
-    from sqlalchemy.engine import make_url
-
     from batchrun.ledger.basics import resolve_db_url  # the ledger's own messages use this module
 
     if ledger_url == resolve_db_url(None):
         return ""
+    if ledger_url.startswith("sqlite:///"):  # a file: no password (and no SQLAlchemy import for `status`)
+        return f" --db {shlex.quote(ledger_url.removeprefix('sqlite:///'))}"
+    from sqlalchemy.engine import make_url
+
     if make_url(ledger_url).password is not None:  # shown as ***: pasting it would fail to log in
         from_env = os.environ.get("BATCHRUN_DB")
         env_url = resolve_db_url(from_env) if from_env else None
         if env_url is not None and ledger_url in (env_url, make_url(env_url).render_as_string(hide_password=True)):
             return ""  # the password stays in $BATCHRUN_DB, the way to keep it off command lines
         return " --db '<your --db URL>'"
-    where = ledger_url.removeprefix("sqlite:///") if ledger_url.startswith("sqlite:///") else ledger_url
-    return f" --db {shlex.quote(where)}"
+    return f" --db {shlex.quote(ledger_url)}"
 
 
 def command(ledger_url: str, *args: object) -> str:

@@ -383,6 +383,9 @@ def state_note(data: dict[str, Any]) -> str:
     """`` (done)``, `` (cancelled)``, `` (ingesting: ...)``... after the items' counts; none while work is left."""
     state = data["state"]
     if state == "ingesting":
+        run = data.get("run")
+        if run is not None and not run["live"]:  # the run that read it was killed: nobody reads it now
+            return " (input read in part: the run reading it is gone; resume reads the rest)"
         return " (ingesting: the input is still being read, the total grows)"
     return "" if state == "work left" else f" ({state})"
 

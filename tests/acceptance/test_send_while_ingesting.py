@@ -128,6 +128,9 @@ def test_sigkill_while_ingesting_and_sending_then_resume(tmp_path: Path, padded_
     done, stored = job_row(db)
     assert not done and 0 < stored < n, "killed while the input was still being read"
     assert not out.exists(), "a job is never exported before its whole input is in"
+    shown = run_cli(tmp_path, "status", "1", "--db", str(db)).stdout
+    assert f"{stored} total" in shown and "(input read in part: the run reading it is gone; resume reads the rest)" in shown
+    assert "still being read" not in shown, shown
     time.sleep(0.2)  # the server notices the dropped connections
     committed = {c for (c,) in query(db, "select custom_id from items where state in ('succeeded', 'failed')")}
     before = [r for r in padded_server.log if r.received_at < killed_at]

@@ -102,11 +102,15 @@ def test_status_and_list_read_a_sqlite_ledger_without_sqlalchemy(tmp_path: Path)
 
     db = str(tmp_path / "l.db")
     with Ledger.open(db) as ledger:
-        ledger.create_job(spec_for_batch_input(Overrides(base_url="http://127.0.0.1:9/v1", model="m")),
-                          input_path="in.jsonl", input_hash="h")
+        job_id = ledger.create_job(spec_for_batch_input(Overrides(base_url="http://127.0.0.1:9/v1", model="m")),
+                                   input_path="in.jsonl", input_hash="h")
+        # An item left running by a dead run: the text status then hints `resume ... --db` (batchrun.hints).
+        ledger.insert_items(job_id, [{"line": 1, "custom_id": "a", "url": "/v1/chat/completions", "body": "{}",
+                                      "state": "running"}])
     for args in (("status",), ("status", "--json"), ("list",), ("list", "--json")):
         modules = command_imports(*args, db=db)
         assert "batchrun.ledger.quick" in modules and "batchrun.report" in modules or args[0] == "list", args
+        assert "batchrun.hints" in modules or args != ("status",), args  # the dead run's hint was written
         assert "batchrun.listing" in modules or args[0] == "status", args  # the check is not vacuous
         assert loaded(modules, "sqlalchemy", "alembic", "httpx", "aiohttp", "rich", "jsonschema", "asyncio",
                       "batchrun.ledger.store", "batchrun.scheduler", "batchrun.providers.http",
