@@ -38,6 +38,7 @@ from batchrun.ledger.records import (
     ANY_STATUS,
     MEASURE_TOTALS,
     RUN_COLUMNS,
+    SQLITE_CACHED_COUNT,
     AttemptTotals,
     Distribution,
     ErrorGroup,
@@ -162,6 +163,8 @@ class LedgerQueries:
     def cached_count(self, job_id: int) -> int:
         """How many of the job's items hold an answer reused from another item (no request sent)."""
         with self.engine.connect() as conn:
+            if self.engine.dialect.name == "sqlite":
+                return int(conn.exec_driver_sql(SQLITE_CACHED_COUNT, (job_id,)).scalar() or 0)
             return int(
                 conn.execute(
                     select(func.count()).where(items_t.c.job_id == job_id, items_t.c.cached_from.is_not(None))

@@ -32,6 +32,7 @@ from batchrun.ledger.records import (
     JOB_COLUMNS,
     MEASURE_TOTALS,
     RUN_COLUMNS,
+    SQLITE_CACHED_COUNT,
     AttemptTotals,
     Distribution,
     ErrorGroup,
@@ -144,7 +145,7 @@ class QuickReader:
         return counts
 
     def cached_count(self, job_id: int) -> int:
-        (n,), = self._rows("SELECT count(*) FROM items WHERE job_id = ? AND cached_from IS NOT NULL", job_id)
+        (n,), = self._rows(SQLITE_CACHED_COUNT, job_id)
         return int(n or 0)
 
     # -- attempts -------------------------------------------------------------

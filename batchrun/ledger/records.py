@@ -254,6 +254,11 @@ def attempt_statuses(rows: Iterable[tuple[Any, Any, int]]) -> tuple[dict[Any, in
 
 ANY_STATUS = object()  # an attempt example of any status code
 
+# The reused answers of a job, on SQLite. Without planner statistics SQLite may take any index on
+# job_id, and in a ledger whose indexes were made by the migrations it took uq_items_job_line:
+# every item of the job read (0.22 s on 1,000,000) where the partial index holds only the reused.
+SQLITE_CACHED_COUNT = "SELECT count(*) FROM items INDEXED BY ix_items_reused WHERE job_id = ? AND cached_from IS NOT NULL"
+
 
 def fill_examples(
     examples: dict[Any, str],
