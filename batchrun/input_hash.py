@@ -66,12 +66,12 @@ def start_hashing(path: str | os.PathLike[str]) -> None:
     key = _file_key(path)
     if key is None or not os.path.isfile(path):
         return
-    _early[os.fspath(path)] = _EarlyHash(os.fspath(path), key)
+    _early[os.path.abspath(path)] = _EarlyHash(os.fspath(path), key)
 
 
 def hash_input(path: str | os.PathLike[str]) -> str:
     """SHA-256 of the input file's bytes: the input half of a job's identity."""
-    early = _early.pop(os.fspath(path), None)
+    early = _early.pop(os.path.abspath(path), None)  # however the path is spelt (./x, a//b)
     if early is not None:
         early.done.wait()
         if early.digest is not None and _file_key(path) == early.key:

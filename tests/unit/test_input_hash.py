@@ -13,12 +13,17 @@ from batchrun.errors import InputError
 from batchrun.input_hash import hash_input, start_hashing
 
 
+@pytest.fixture(autouse=True)
+def _no_early_hashes() -> None:
+    input_hash._early.clear()
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def _wait_started(path: Path) -> None:
-    assert input_hash._early[str(path)].done.wait(10)
+    assert input_hash._early[os.path.abspath(path)].done.wait(10)
 
 
 def test_the_early_hash_is_the_files_and_is_taken_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,7 +34,18 @@ def test_the_early_hash_is_the_files_and_is_taken_once(tmp_path: Path, monkeypat
     start_hashing(path)
     _wait_started(path)
     assert hash_input(path) == _sha(data)
-    assert str(path) not in input_hash._early
+    assert not input_hash._early
+
+
+def test_the_early_hash_is_taken_however_the_path_is_spelt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("in.jsonl").write_bytes(b"x\n")
+    start_hashing("./in.jsonl")  # as typed on the command line; the job code hands on Path("./in.jsonl")
+    assert input_hash._early[str(tmp_path / "in.jsonl")].done.wait(10)
+    assert hash_input(Path("./in.jsonl")) == _sha(b"x\n")
+    assert not input_hash._early
 
 
 def test_the_early_hash_is_what_hash_input_returns_while_the_file_is_unchanged(tmp_path: Path) -> None:
@@ -71,7 +87,7 @@ def test_a_file_replaced_by_another_of_the_same_size_is_hashed_again(tmp_path: P
 def test_a_missing_or_unreadable_input_is_reported_by_hash_input(tmp_path: Path) -> None:
     missing = tmp_path / "nope.jsonl"
     start_hashing(missing)  # nothing to start
-    assert str(missing) not in input_hash._early
+    assert not input_hash._early
     with pytest.raises(InputError, match="nope.jsonl: no such input file"):
         hash_input(missing)
     start_hashing(tmp_path)  # a directory: not a regular file
@@ -108,12 +124,13 @@ def test_submit_hashes_its_input_early_and_stores_that_hash(tmp_path: Path, monk
     line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
     path.write_bytes(orjson.dumps(line) + b"\n")
+    monkeypatch.chdir(tmp_path)  # the input as typed: ./batch.jsonl
     result = CliRunner().invoke(
-        main, ["submit", "--input", str(path), "--base-url", "http://127.0.0.1:9/v1", "--db", str(db), "--no-run"],
+        main, ["submit", "--input", "./batch.jsonl", "--base-url", "http://127.0.0.1:9/v1", "--db", str(db), "--no-run"],
         env={"OPENAI_API_KEY": "sk-test"},
     )
     assert result.exit_code == 0, result.output
-    assert started == [str(path)] and str(path) not in input_hash._early  # started, then taken
+    assert started == ["./batch.jsonl"] and not input_hash._early  # started, then taken
     ledger = Ledger.open(db)
     try:
         ((job, _),) = ledger.list_jobs()
