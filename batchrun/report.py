@@ -162,6 +162,8 @@ def run_status(queries: RunsReader, job: JobRecord) -> dict[str, Any] | None:
     return {
         "live": "live" in states,
         "live_runs": states.count("live"),
+        # A worker never reads the input: only a live run of another command may still be storing it.
+        "reading": any(st == "live" and r.command != "worker" for r, st in zip(runs, states)),
         "last": {
             "run_id": last.id, "command": last.command, "pid": last.pid, "host": last.host, "state": state,
             "started_at": last.started_at, "heartbeat_age_s": round(max(0.0, now - last.heartbeat_at), 3),
@@ -384,7 +386,7 @@ def state_note(data: dict[str, Any]) -> str:
     state = data["state"]
     if state == "ingesting":
         run = data.get("run")
-        if run is not None and not run["live"]:  # the run that read it was killed: nobody reads it now
+        if run is not None and not run["reading"]:  # the run that read it is gone: nobody reads it
             return " (input read in part: the run reading it is gone; resume reads the rest)"
         return " (ingesting: the input is still being read, the total grows)"
     return "" if state == "work left" else f" ({state})"

@@ -50,3 +50,23 @@ def test_a_long_lease_does_not_keep_a_silent_run_alive(tmp_path) -> None:  # typ
         assert _state(ledger, job_id) == "live"
         _silent_for(ledger, run_id, RUN_SILENT_S + 5)
         assert _state(ledger, job_id) == "dead"
+
+
+def test_a_live_worker_is_not_a_reader_of_the_input(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The submit storing the input died; a worker (which never reads the input) works the job's
+    stored items: status must not say the input is still being read."""
+    from batchrun.report import job_status, status_lines
+
+    with Ledger.open(tmp_path / "l.db") as ledger:
+        job_id = _job(ledger, lease=60.0)
+        reader = ledger.start_run(job_id, "submit", exclusive=True, stale_after=30.0)
+        row = {"line": 1, "custom_id": "a", "url": None, "body": "{}", "state": "pending"}
+        ledger.insert_items(job_id, [row], run_id=reader)
+        ledger.start_run(job_id, "worker", exclusive=False)
+        data = job_status(ledger, job_id)
+        assert data["run"]["live"] and data["run"]["reading"] and data["state"] == "ingesting"
+        assert "(ingesting: the input is still being read, the total grows)" in status_lines(data)[2]
+        _silent_for(ledger, reader, RUN_SILENT_S + 5)
+        data = job_status(ledger, job_id)
+        assert data["run"]["live"] and not data["run"]["reading"]  # the worker beats on
+        assert "(input read in part: the run reading it is gone; resume reads the rest)" in status_lines(data)[2]
