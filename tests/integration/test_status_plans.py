@@ -12,7 +12,7 @@ import pytest
 
 from batchrun.ledger import Ledger
 from batchrun.ledger.basics import resolve_db_url
-from batchrun.ledger.engine import alembic_config, create_ledger_engine
+from batchrun.ledger.engine import create_ledger_engine, upgrade_to_head
 from batchrun.ledger.quick import open_quick_reader
 from batchrun.report import job_status
 from batchrun.spec import Overrides, spec_for_batch_input
@@ -22,13 +22,8 @@ WHOLE_JOB = ("uq_items_job_line", "uq_items_job_custom_id")
 
 
 def _by_migrations(path: Path) -> None:
-    from alembic import command
-
-    cfg = alembic_config()
     engine = create_ledger_engine(resolve_db_url(path))
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
+    assert upgrade_to_head(engine, migrate_new=True)
     engine.dispose()
 
 
