@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 
 from batchrun.errors import InputError
@@ -37,13 +38,7 @@ class _EarlyHash:
 
     def _run(self) -> None:
         try:
-            digest = hashlib.sha256()
-            buf = bytearray(EARLY_CHUNK)
-            view = memoryview(buf)
-            with open(self.path, "rb", buffering=0) as f:
-                while n := f.readinto(buf):
-                    digest.update(view[:n])
-            self.digest = digest.hexdigest()
+            self.digest = _sha256(self.path, EARLY_CHUNK)
         except Exception:  # noqa: BLE001 - hash_input hashes again and reports the cause
             self.digest = None
         finally:
@@ -53,20 +48,30 @@ class _EarlyHash:
 _early: dict[str, _EarlyHash] = {}
 
 
+def _sha256(path: str | os.PathLike[str], chunk: int) -> str:
+    digest = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
 def _file_key(path: str | os.PathLike[str]) -> _FileKey | None:
+    """What tells a regular file's content changed, short of reading it; None for anything else."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
 
 
 def start_hashing(path: str | os.PathLike[str]) -> None:
     """Begin hashing ``path`` in the background (a no-op for anything but a regular file)."""
     key = _file_key(path)
-    if key is None or not os.path.isfile(path):
-        return
-    _early[os.path.abspath(path)] = _EarlyHash(os.fspath(path), key)
+    if key is not None:
+        _early[os.path.abspath(path)] = _EarlyHash(os.fspath(path), key)
 
 
 def hash_input(path: str | os.PathLike[str]) -> str:
@@ -76,15 +81,11 @@ def hash_input(path: str | os.PathLike[str]) -> str:
         early.done.wait()
         if early.digest is not None and _file_key(path) == early.key:
             return early.digest
-    digest = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
+        return _sha256(path, CHUNK)
     except FileNotFoundError:
         raise InputError(f"{path}: no such input file") from None
     except IsADirectoryError:
         raise InputError(f"{path}: is a directory, expected a JSONL file") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read input: {exc.strerror or exc}") from exc
-    return digest.hexdigest()
